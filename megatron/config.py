@@ -1,0 +1,251 @@
+"""Validated configuration dataclasses: the single source of truth for a run.
+
+Model and data code take these objects explicitly; only the entry point turns CLI flags into them
+(``megatron/arguments.py``). Every check a user can fail raises ``ConfigError`` naming the flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Shape and variant of a GPT. Field names follow Megatron's flags (dashes -> underscores)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    """Vocabulary size *before* padding; see ``padded_vocab_size``."""
+    ffn_hidden_size: int | None = None
+    """MLP width; default 4h, or Megatron's 2/3 * 4h rounded down to a multiple of 64 with SwiGLU."""
+    num_key_value_heads: int | None = None
+    """Grouped-query attention; default = num_attention_heads (plain multi-head attention)."""
+    max_position_embeddings: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "layernorm"
+    """'layernorm' or 'rmsnorm'."""
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' or 'rope'."""
+    rotary_base: float = 10000.0
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    apply_residual_scaling: bool = True
+    """Scale the std of output projections by 1/sqrt(2L), as Megatron's scaled_init_method_normal."""
+    use_cpu_initialization: bool = False
+    """Initialise full weights on CPU from per-parameter seeds, then slice: the same seed gives the
+    same full model for every TP/PP layout."""
+    attention_backend: str = "auto"
+    """'auto', 'torch', 'triton' or 'hip' (see megatron/kernels)."""
+    recompute_granularity: str | None = None
+    """None, 'full' or 'selective'."""
+    recompute_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Megatron pads the vocab to a multiple of make_vocab_size_divisible_by * TP."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+    def num_parameters(self, tp_size: int = 1) -> int:
+        """Exact count of the full (unsharded) model's parameters."""
+        h, f, nl = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = self.num_key_value_heads * self.head_dim
+        bias = 1 if self.add_bias_linear else 0
+        norm = 2 * h if self.normalization == "layernorm" else h
+        qkv = h * (h + 2 * kv) + bias * (h + 2 * kv)
+        proj = h * h + bias * h
+        fc1_out = 2 * f if self.swiglu else f
+        mlp = h * fc1_out + bias * fc1_out + f * h + bias * h
+        layer = qkv + proj + mlp + 2 * norm
+        v = self.padded_vocab_size(tp_size)
+        emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
+        out = 0 if self.tie_embeddings else v * h
+        return nl * layer + emb + norm + out
+
+    def validate(self, tp_size: int = 1) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}: pick a head count that divides the hidden size"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"--num-key-value-heads {self.num_key_value_heads} does not divide --num-attention-heads "
+                f"{self.num_attention_heads}: use a divisor of the head count"
+            )
+        if self.num_attention_heads % tp_size:
+            raise ConfigError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp_size}: use a TP size that divides the head count"
+            )
+        if self.num_key_value_heads % tp_size:
+            raise ConfigError(
+                f"--num-key-value-heads {self.num_key_value_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp_size}: use a TP size that divides the KV head count"
+            )
+        if self.ffn_hidden_size % tp_size:
+            raise ConfigError(
+                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp_size}"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}: "
+                "raise --max-position-embeddings or shorten --seq-length"
+            )
+        if self.normalization not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"--normalization {self.normalization!r}: choose 'layernorm' or 'rmsnorm'")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(f"position embedding {self.position_embedding_type!r}: use 'learned_absolute' or 'rope'")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out. Megatron's order: TP innermost, then DP, then PP outermost."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def validate(self) -> None:
+        for name, v in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
+            if v < 1:
+                raise ConfigError(f"{name} must be >= 1, got {v}")
+        if self.world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
+                f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
+                f"{self.tp * self.pp} ranks or shrink TP/PP"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            # Megatron silently turns it off; we do the same but keep the flag honest.
+            self.sequence_parallel = False
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero-stage {self.zero_stage}: choose 0, 1, 2 or 3")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class PrecisionConfig:
+    fp16: bool = False
+    bf16: bool = False
+    initial_loss_scale: float = 2.0**32
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def validate(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 are both set: pick one (bf16 is advised on MI250X)")
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    train_iters: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 100
+    seed: int = 1234
+    tensorboard_dir: str | None = None
+    peak_tflops: float | None = None
+    """Peak of one device for MFU; default: 191.5 (MI250X GCD bf16) on GPUs, measured on CPU."""
+
+    def grad_accumulation_steps(self, dp: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+    def validate(self, dp: int) -> None:
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * dp
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {dp} = {self.micro_batch_size * dp}: "
+                f"use a multiple of {self.micro_batch_size * dp}"
+            )
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs, validated together."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def validate(self) -> RunConfig:
+        self.parallel.validate()
+        self.model.validate(self.parallel.tp)
+        self.precision.validate()
+        self.training.validate(self.parallel.dp)
+        return self
