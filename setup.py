@@ -1,0 +1,55 @@
+"""Install Megatron-Frontier: `pip install -e .[test]`.
+
+Builds the pybind11 data-index helpers always, and the HIP kernels only when torch is a ROCm/CUDA
+build (on CPU torch they are skipped cleanly; see README "What is verified").
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+except ImportError as e:  # pragma: no cover - pybind11 is a build requirement in pyproject.toml
+    raise SystemExit("pybind11 is needed to build megatron.data._helpers: pip install pybind11") from e
+
+
+def _ext_modules():
+    exts = [
+        Pybind11Extension(
+            "megatron.data._helpers",
+            ["csrc/data/helpers.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ]
+    if os.path.exists("csrc/build_gpu.py"):
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("build_gpu", "csrc/build_gpu.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        exts += mod.gpu_extensions()
+    return [e for e in exts if os.path.exists(e.sources[0])]
+
+
+setup(
+    name="megatron-frontier",
+    version="0.1.0",
+    description="Megatron-DeepSpeed-style GPT pretraining tuned for Frontier (AMD MI250X)",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.14",
+        "numpy",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "tensorboard",
+        "pybind11",
+    ],
+    extras_require={"test": ["pytest", "matplotlib"]},
+    ext_modules=_ext_modules(),
+    cmdclass={"build_ext": build_ext},
+)
