@@ -1,0 +1,147 @@
+"""Tensor-, pipeline- and data-parallel process groups in Megatron's rank order.
+
+Worked example: 16 ranks, TP=2, PP=4 (so DP=2). TP is innermost, then DP, then PP:
+
+    rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+
+    TP groups (8): [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    DP groups (8): [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    PP groups (4): [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+
+With one process per GCD and Frontier's closest binding, consecutive ranks (0,1) share one MI250X
+package, so TP=2 rides the 200 GB/s in-package link and TP=8 stays inside a node.
+
+``ParallelState`` is also the ``mpu`` object DeepSpeed expects (get_model_parallel_* = TP,
+get_data_parallel_*). The registry holds the one instance of the run; code that wants other groups
+(tests, tools) builds its own ``ParallelState`` and passes it explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import deepspeed.comm as dist
+
+from megatron.errors import ConfigError
+
+
+def layout_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Pure function: the rank lists of every TP, DP and PP group (no process group needed)."""
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} ranks"
+        )
+    dp = world_size // (tp * pp)
+    rank = lambda p, d, t: p * dp * tp + d * tp + t  # noqa: E731
+    return {
+        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        # TP x PP ranks that hold one full model replica (for checkpoint / embedding sync).
+        "mp": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+    }
+
+
+@dataclass
+class GroupInfo:
+    """One process group as seen by this rank. ``group`` is None only when size == 1 and no
+    distributed backend exists (single-process runs and unit tests)."""
+
+    ranks: list[int]
+    rank: int
+    group: object = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class ParallelState:
+    world_size: int
+    global_rank: int
+    tp: GroupInfo
+    dp: GroupInfo
+    pp: GroupInfo
+    mp: GroupInfo
+    all_groups: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, tp_size: int, pp_size: int = 1, world_size: int | None = None,
+              global_rank: int | None = None) -> ParallelState:
+        """Create the groups. Every rank must call this in the same order (new_group is collective)."""
+        distributed = dist.is_initialized()
+        if world_size is None:
+            world_size = dist.get_world_size() if distributed else 1
+        if global_rank is None:
+            global_rank = dist.get_rank() if distributed else 0
+        groups = layout_groups(world_size, tp_size, pp_size)
+        mine = {}
+        for kind, lists in groups.items():
+            for ranks in lists:
+                handle = dist.new_group(ranks) if distributed else None
+                if global_rank in ranks:
+                    mine[kind] = GroupInfo(ranks, ranks.index(global_rank), handle)
+        return cls(world_size, global_rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups)
+
+    # --- the mpu interface DeepSpeed probes (model parallel == tensor parallel here) ---
+    def get_model_parallel_rank(self) -> int:
+        return self.tp.rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp.size
+
+    def get_model_parallel_group(self):
+        return self.tp.group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp.rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp.size
+
+    def get_data_parallel_group(self):
+        return self.dp.group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp.rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp.size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp.group
+
+    def describe(self) -> str:
+        """Which global ranks form each group (printed by rank 0 at start-up)."""
+        lines = []
+        for kind in ("tp", "pp", "dp"):
+            lists = self.all_groups.get(kind, [])
+            shown = " ".join(str(r) for r in lists[:8]) + (" ..." if len(lists) > 8 else "")
+            lines.append(f"  {kind.upper()} groups ({len(lists)} of size {len(lists[0]) if lists else 0}): {shown}")
+        return "\n".join(lines)
+
+
+_STATE: ParallelState | None = None
+
+
+def set_parallel_state(state: ParallelState | None) -> None:
+    global _STATE
+    _STATE = state
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("parallel state is not initialised: call megatron.initialize.initialize_megatron first")
+    return _STATE
+
+
+def single_process_state() -> ParallelState:
+    """A TP=PP=DP=1 state for single-process use without any process group."""
+    one = GroupInfo([0], 0, None)
+    return ParallelState(1, 0, one, one, one, one, layout_groups(1, 1, 1))

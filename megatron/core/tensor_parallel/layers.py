@@ -1,0 +1,169 @@
+"""Tensor-parallel layers: VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear.
+
+Activations are sequence-first ``[s, b, h]``. Linear layers return ``(output, bias)`` where ``bias``
+is not None only with ``skip_bias_add`` (so the caller can fuse bias-add with the next op).
+
+Initialisation is keyed per parameter (``init_key``) rather than drawn from a global RNG stream, so
+that a layer initialises the same way whichever pipeline stage builds it. With
+``use_cpu_initialization`` the full weight is drawn on CPU and sliced, giving identical full models
+for every TP size; otherwise each rank draws only its own shard (cheaper, not layout-invariant).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from megatron.core.parallel_state import GroupInfo
+from megatron.core.tensor_parallel import mappings
+
+
+def _stable_seed(seed: int, key: str, salt: int = 0) -> int:
+    return (seed * 1_000_003 + zlib.crc32(key.encode()) * 97 + salt) % (2**63 - 1)
+
+
+def init_device() -> torch.device:
+    return torch.device(get_accelerator().current_device_name())
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+    """Tag a TP-sharded parameter the way DeepSpeed's grad-norm and checkpoint code look for it."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int, tp: GroupInfo,
+                     std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1) -> None:
+    """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std).
+
+    ``stride`` > 1 means the full weight is ``stride`` stacked blocks (e.g. SwiGLU's [gate; up]) and
+    every rank takes its slice of each block, keeping gate and up rows aligned on each rank.
+    """
+    with torch.no_grad():
+        if tp.size == 1 or use_cpu_init:
+            gen = torch.Generator().manual_seed(_stable_seed(seed, key))
+            full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            if tp.size > 1:
+                blocks = full.chunk(stride, dim=partition_dim)
+                full = torch.cat([b.chunk(tp.size, dim=partition_dim)[tp.rank] for b in blocks], dim=partition_dim)
+            param.copy_(full)
+        else:
+            gen = torch.Generator().manual_seed(_stable_seed(seed, key, salt=1 + tp.rank))
+            shard = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+            param.copy_(shard)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocab rows are split across TP ranks; each rank looks up the ids it owns and
+    the partial results are summed over TP. Output: [b, s, h] (the caller transposes)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: GroupInfo, init_std: float, seed: int,
+                 init_key: str, use_cpu_init: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        per_rank = num_embeddings // tp.size
+        self.vocab_start, self.vocab_end = tp.rank * per_rank, (tp.rank + 1) * per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=init_device()))
+        mark_tensor_parallel(self.weight, partition_dim=0)
+        initialize_shard(self.weight, (num_embeddings, embedding_dim), 0, tp, init_std, seed, init_key, use_cpu_init)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output dim: each rank computes Y[..., shard]."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
+                 gather_output: bool = False, init_std: float = 0.02, seed: int = 0, init_key: str = "",
+                 use_cpu_init: bool = False, stride: int = 1, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False) -> None:
+        super().__init__()
+        assert output_size % tp.size == 0, "caller validates divisibility"
+        self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel and tp.size > 1
+        self.skip_bias_add = skip_bias_add
+        out_per_rank = output_size // tp.size
+        self.weight = nn.Parameter(torch.empty(out_per_rank, input_size, device=init_device()))
+        mark_tensor_parallel(self.weight, partition_dim=0, stride=stride)
+        initialize_shard(self.weight, (output_size, input_size), 0, tp, init_std, seed, init_key, use_cpu_init,
+                         stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_per_rank, device=init_device()))
+            mark_tensor_parallel(self.bias, partition_dim=0, stride=stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """x: [s(/tp), b, in] -> ([s, b, out/tp], bias). ``weight`` overrides self.weight (tied output layer)."""
+        w = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, w, bias)
+        if self.gather_output:
+            y = mappings.gather_from_tensor_model_parallel_region(y, self.tp)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input dim: partial products are summed over TP (or
+    reduce-scattered along the sequence with sequence parallelism)."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
+                 input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0, init_key: str = "",
+                 use_cpu_init: bool = False, sequence_parallel: bool = False, skip_bias_add: bool = False) -> None:
+        super().__init__()
+        assert input_size % tp.size == 0, "caller validates divisibility"
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.skip_bias_add = skip_bias_add
+        self.weight = nn.Parameter(torch.empty(output_size, input_size // tp.size, device=init_device()))
+        mark_tensor_parallel(self.weight, partition_dim=1)
+        initialize_shard(self.weight, (output_size, input_size), 1, tp, init_std, seed, init_key, use_cpu_init)
+        if bias:
+            # Replicated on every TP rank; not marked TP so grad-norm counts it once.
+            self.bias = nn.Parameter(torch.zeros(output_size, device=init_device()))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        """x: [s, b, in/tp] -> ([s(/tp), b, out], bias)."""
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp)
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, self.tp)
+        if self.bias is None:
+            return y, None
+        bias = sequence_parallel_param(self.bias, self.tp) if self.sequence_parallel else self.bias
+        if self.skip_bias_add:
+            return y, bias
+        return y + bias, None
+
+
+def sequence_parallel_param(p: torch.Tensor, tp: GroupInfo) -> torch.Tensor:
+    """Use a replicated parameter on sequence-sharded activations: each TP rank sees a different
+    slice of the sequence, so the parameter's gradient must be summed over TP. Doing it here, in
+    autograd, keeps it independent of how DeepSpeed/ZeRO later reduce gradients."""
+    return mappings.copy_to_tensor_model_parallel_region(p, tp)
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Megatron's output-layer init: std / sqrt(2 * num_layers)."""
+    return std / math.sqrt(2.0 * num_layers)
