@@ -1,0 +1,166 @@
+"""Peak memory of one GCD for a model and layout: weights, gradients, optimizer states, activations.
+
+Conventions (all numbers are bytes on one GCD):
+
+* Model states follow the ZeRO paper (Rajbhandari et al. 2020) for mixed-precision Adam: 2 bytes of 16-bit
+  weights, 2 bytes of 16-bit gradients and 12 bytes of optimizer state (fp32 master copy + Adam m + v) per
+  parameter; for fp32 training 4 + 4 + 8 (no master copy). ZeRO-1 shards the optimizer states over DP,
+  ZeRO-2 also the gradients, ZeRO-3 also the weights; ZeRO-3 additionally holds the gathered full weights of
+  two layers (the one computing and the one prefetched), and hpZ a second weight shard over its group.
+* Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Section 4, generalised to GQA / SwiGLU / any FFN width. Per layer and micro-batch, with
+  16-bit activations and 1-byte dropout masks, for GPT-2 shapes (kv = h, ffn = 4h) this reduces to their
+  formulas: ``sbh(10 + 24/t + 5as/(ht))`` with TP t and no sequence parallelism; ``sbh/t (34 + 5as/h)``
+  with SP; the ``5as^2b`` score term becomes ``4asb`` bytes (fp32 log-sum-exp) with flash attention and 0
+  with selective recompute; full recompute stores only each layer's input (``2sbh``, /t with SP) plus one
+  layer's full working set during its backward.
+* Pipeline: with 1F1B, stage i holds min(pp - i, num_microbatches) micro-batches in flight, so the first
+  stage (which also holds the embedding) is the worst for activations; the last stage holds the logits
+  (the 16-bit output plus the fp32 softmax kept by the vocab-parallel cross entropy) and, with tied
+  embeddings and PP > 1, a copy of the word embeddings. The estimate is the worse of the two.
+* A fixed framework overhead (ROCm context, RCCL buffers, allocator slack) is a separate term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config import ModelConfig
+from megatron.perf.layout import Layout
+
+GIB = 2**30
+GCD_MEMORY_BYTES = 64 * GIB
+"""HBM of one MI250X GCD."""
+FRAMEWORK_OVERHEAD_BYTES = 3 * GIB
+"""ROCm context + RCCL/DeepSpeed buffers + caching-allocator slack; an assumption, not a measurement."""
+
+TERMS = ("weights", "gradients", "optimizer_states", "zero3_gathered", "activations", "embedding_activations",
+         "logits", "framework_overhead")
+
+
+@dataclass
+class MemoryEstimate:
+    terms: dict[str, float]
+    """Bytes per term; the keys are always ``TERMS``."""
+    stage: int
+    """Pipeline stage this estimate is for (the worst one when returned by ``estimate_memory``)."""
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.terms.values()))
+
+    @property
+    def model_states(self) -> float:
+        return self.terms["weights"] + self.terms["gradients"] + self.terms["optimizer_states"]
+
+    def fits(self, capacity: float = GCD_MEMORY_BYTES) -> bool:
+        return self.total <= capacity
+
+
+def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer layer held by one TP rank (row-parallel biases and norms are replicated)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = model.num_key_value_heads * model.head_dim
+    bias = 1 if model.add_bias_linear else 0
+    norm = 2 * h if model.normalization == "layernorm" else h
+    fc1_out = 2 * f if model.swiglu else f
+    sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * fc1_out + bias * fc1_out + f * h
+    replicated = 2 * bias * h + 2 * norm
+    return sharded // tp + replicated
+
+
+def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters on one GCD of pipeline ``stage`` before any ZeRO sharding."""
+    h = model.hidden_size
+    v = model.padded_vocab_size(layout.tp)
+    params = layout.stage_layers(model.num_layers)[stage] * layer_parameters(model, layout.tp)
+    if stage == 0:
+        params += v * h // layout.tp
+        if model.position_embedding_type == "learned_absolute":
+            params += model.max_position_embeddings * h  # replicated over TP, as in Megatron
+    if stage == layout.pp - 1:
+        params += 2 * h if model.normalization == "layernorm" else h
+        if model.untie_embeddings_and_output_weights or layout.pp > 1:
+            # Untied output layer, or Megatron's copy of the tied word embeddings on the last stage.
+            params += v * h // layout.tp
+    return params
+
+
+def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
+    """Bytes one layer keeps for its backward, for one micro-batch, without recomputation."""
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    kv = model.num_key_value_heads * model.head_dim
+    f, nh = model.ffn_hidden_size, model.num_attention_heads
+    a = layout.dtype_bytes
+    mask = 1 if model.hidden_dropout > 0 else 0
+    # Outside the TP region: two norm inputs, the QKV and FC1 inputs, two dropout masks (10 sbh for GPT-2).
+    # Sequence parallelism shards all of them over TP.
+    outside = s * b * h * (4 * a + 2 * mask)
+    if layout.sequence_parallel:
+        outside /= t
+    # Inside the TP region, sharded over t: Q, K, V, the projection input, the MLP hidden (24 sbh for GPT-2).
+    fc1_saved = 2 * f if model.swiglu else f
+    inside = s * b * a * (h + 2 * kv + h + fc1_saved + f) / t
+    if layout.recompute_granularity == "selective":
+        scores = 0.0
+    elif layout.flash_attention:
+        scores = 4.0 * nh * s * b / t  # fp32 log-sum-exp per query row
+    else:
+        # softmax output + its dropout output (a bytes each) and the dropout mask (1 byte): 5as^2b for 16-bit.
+        drop = model.attention_dropout > 0
+        scores = nh * s * s * b * (a + (a + 1 if drop else 0)) / t
+    return outside + inside + scores
+
+
+def _in_flight(layout: Layout, stage: int) -> int:
+    return min(layout.pp - stage, layout.num_microbatches)
+
+
+def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
+                          overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES) -> MemoryEstimate:
+    """Memory of one GCD in pipeline ``stage`` (0-based)."""
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    a = layout.dtype_bytes
+    mixed = layout.dtype in ("bf16", "fp16")
+    params = stage_parameters(model, layout, stage)
+    dp, z = layout.dp, layout.zero_stage
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms["weights"] = params * a / (dp if z >= 3 else 1)
+    terms["gradients"] = params * a / (dp if z >= 2 else 1)
+    terms["optimizer_states"] = params * (12 if mixed else 8) / (dp if z >= 1 else 1)
+    if z == 3:
+        terms["zero3_gathered"] = 2 * layer_parameters(model, t) * a
+        if layout.zero_hierarchy:
+            terms["zero3_gathered"] += params * a / layout.zero_hierarchy
+
+    in_flight = _in_flight(layout, stage)
+    n_layers = layout.stage_layers(model.num_layers)[stage]
+    per_layer = activation_bytes_per_layer(model, layout)
+    if layout.recompute_granularity == "full":
+        checkpoint = s * b * h * a / (t if layout.sequence_parallel else 1)
+        terms["activations"] = n_layers * checkpoint * in_flight + per_layer
+    else:
+        terms["activations"] = n_layers * per_layer * in_flight
+    sp_div = t if layout.sequence_parallel else 1
+    if stage == 0 and model.hidden_dropout > 0:
+        terms["embedding_activations"] = s * b * h * 1 / sp_div * in_flight  # embedding dropout mask
+    if stage == layout.pp - 1:
+        v = model.padded_vocab_size(t)
+        # final-norm input and output-layer input, then logits: 16-bit output + fp32 softmax for the backward.
+        terms["logits"] = 2 * s * b * h * a / sp_div + s * b * (v / t) * (a + 4)
+    terms["framework_overhead"] = float(overhead_bytes)
+    return MemoryEstimate(terms=terms, stage=stage)
+
+
+def estimate_memory(model: ModelConfig, layout: Layout,
+                    overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES) -> MemoryEstimate:
+    """Peak memory of the worst GCD.
+
+    Only the first and last stages can be the worst: every middle stage has no more layers (the remainder
+    goes to the first stages), fewer micro-batches in flight and no embedding than the first.
+    """
+    first = estimate_stage_memory(model, layout, 0, overhead_bytes)
+    if layout.pp == 1:
+        return first
+    last = estimate_stage_memory(model, layout, layout.pp - 1, overhead_bytes)
+    return first if first.total >= last.total else last
