@@ -192,22 +192,34 @@ def _node_of_rank(rank: int, counts: list[int]) -> int:
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
-def _from_mpi(env: Mapping[str, str], use_mpi4py: bool) -> RankInfo:
-    comm = None
-    if use_mpi4py:
-        if "torch" in sys.modules:
-            logger.warning("mpi4py imported after torch: on Frontier import it first (call discover_ranks() "
-                           "before importing torch) or MPI_Init may clash with RCCL/libfabric")
+_MPI4PY_CACHE: dict = {}
+
+
+def _mpi4py_hosts() -> list[str] | None:
+    """Every rank's hostname via mpi4py (None if it is not installed), gathered once per process.
+
+    Cached because the allgather is a collective: a second discover_ranks() call from one rank only would hang.
+    """
+    if "hosts" not in _MPI4PY_CACHE:
+        torch = sys.modules.get("torch")
+        if torch is not None and getattr(getattr(torch, "version", None), "hip", None):
+            logger.warning("mpi4py initialised after torch: on Frontier call discover_ranks() before importing "
+                           "torch, or MPI_Init may clash with RCCL/libfabric")
         try:
             from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
         except ImportError:
-            comm = None
-    if comm is not None:
-        rank, world = comm.Get_rank(), comm.Get_size()
-        # Every rank learns every hostname: exact node index and local rank for any rank placement.
-        hosts = comm.allgather(socket.gethostname())
+            return None
+        comm = MPI.COMM_WORLD
+        _MPI4PY_CACHE["rank"] = comm.Get_rank()
+        # Every rank learns every hostname: exact node index and local rank for any placement of ranks.
+        _MPI4PY_CACHE["hosts"] = comm.allgather(socket.gethostname())
+    return _MPI4PY_CACHE["hosts"]
+
+
+def _from_mpi(env: Mapping[str, str], use_mpi4py: bool) -> RankInfo:
+    hosts = _mpi4py_hosts() if use_mpi4py else None
+    if hosts is not None:
+        rank, world = _MPI4PY_CACHE["rank"], len(hosts)
         order = list(dict.fromkeys(hosts))
         node = order.index(hosts[rank])
         local_rank = hosts[:rank].count(hosts[rank])

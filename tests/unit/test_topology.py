@@ -161,7 +161,7 @@ def test_single_process_default():
 def test_real_mpirun_discovery_via_mpi4py(tmp_path):
     pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-    code = ("from megatron.topology import discover_ranks; i = discover_ranks(); "
+    code = ("from megatron.topology import discover_ranks; i = discover_ranks(); assert discover_ranks() == i; "
             "print(i.rank, i.world_size, i.local_rank, i.local_world_size, i.node_index, i.master_addr, i.source)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
     env["PYTHONPATH"] = str(ROOT)
