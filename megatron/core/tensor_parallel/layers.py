@@ -49,14 +49,19 @@ def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition
         if tp.size == 1 or use_cpu_init:
             gen = torch.Generator().manual_seed(_stable_seed(seed, key))
             full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            if tp.size > 1:
-                blocks = full.chunk(stride, dim=partition_dim)
-                full = torch.cat([b.chunk(tp.size, dim=partition_dim)[tp.rank] for b in blocks], dim=partition_dim)
-            param.copy_(full)
+            param.copy_(shard_tensor(full, partition_dim, tp.size, tp.rank, stride))
         else:
             gen = torch.Generator().manual_seed(_stable_seed(seed, key, salt=1 + tp.rank))
             shard = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
             param.copy_(shard)
+
+
+def shard_tensor(full: torch.Tensor, partition_dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
+    """This TP rank's slice of a full tensor (each of ``stride`` stacked blocks split separately)."""
+    if tp_size == 1:
+        return full
+    blocks = full.chunk(stride, dim=partition_dim)
+    return torch.cat([b.chunk(tp_size, dim=partition_dim)[tp_rank] for b in blocks], dim=partition_dim)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,71 @@
+"""Causal self-attention with tensor-parallel heads and grouped-query attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import GroupInfo
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import scaled_init_std
+from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.kernels.attention import dot_product_attention
+from megatron.model.rotary import apply_rotary, rotary_cos_sin
+
+
+class SelfAttention(nn.Module):
+    """QKV (column-parallel) -> attention core -> output projection (row-parallel).
+
+    The fused QKV weight is laid out per KV group: [q_1 .. q_g, k, v] for each of the nkv groups
+    (g = heads / kv heads), so a contiguous TP split hands each rank whole groups.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool,
+                 init_seed: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.heads = cfg.num_attention_heads // tp.size
+        self.kv_heads = cfg.num_key_value_heads // tp.size
+        self.head_dim = cfg.head_dim
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        common = dict(tp=tp, bias=cfg.add_bias_linear, seed=init_seed, use_cpu_init=cfg.use_cpu_initialization,
+                      sequence_parallel=sequence_parallel)
+        self.query_key_value = ColumnParallelLinear(
+            cfg.hidden_size, qkv_size, init_std=cfg.init_method_std,
+            init_key=f"layers.{layer_number}.attention.qkv", **common)
+        proj_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
+            else cfg.init_method_std
+        self.dense = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, init_std=proj_std,
+            init_key=f"layers.{layer_number}.attention.dense", **common)
+        self.selective_recompute = cfg.recompute_granularity == "selective"
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        # Heads are TP-sharded, so each rank must draw its own dropout mask: fork the TP RNG.
+        with get_rng_tracker().fork():
+            return dot_product_attention(q, k, v, causal=True, dropout_p=dropout,
+                                         backend=self.cfg.attention_backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s(/tp with SP), b, h] -> [s(/tp), b, h]."""
+        mixed, _ = self.query_key_value(x)  # [s, b, (nq + 2 nkv)/tp * d]
+        s, b = mixed.shape[0], mixed.shape[1]
+        g = self.heads // self.kv_heads
+        mixed = mixed.view(s, b, self.kv_heads, g + 2, self.head_dim)
+        q = mixed[:, :, :, :g].reshape(s, b, self.heads, self.head_dim)  # [s, b, nq/tp, d]
+        k, v = mixed[:, :, :, g], mixed[:, :, :, g + 1]  # [s, b, nkv/tp, d]
+        if self.cfg.position_embedding_type == "rope":
+            cos, sin = rotary_cos_sin(s, self.head_dim, self.cfg.rotary_base, q.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [s, b, n, d] -> [b, n, s, d] for the kernel seam.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.selective_recompute and self.training:
+            ctx = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            ctx = self._core(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, nq/tp * d]
+        out, _ = self.dense(ctx)
+        return out

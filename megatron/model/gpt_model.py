@@ -1,0 +1,82 @@
+"""GPT (GPT-2 and Llama variants) built from tensor-parallel layers. Takes config objects only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import GroupInfo
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron.model.embedding import Embedding
+from megatron.model.norms import Norm
+from megatron.model.transformer import TransformerLayer
+
+
+class GPTModel(nn.Module):
+    """tokens [b, s] -> per-token loss [b, s] (fp32) when labels are given, else vocab-parallel
+    logits [b, s, V/tp]."""
+
+    def __init__(self, cfg: ModelConfig, *, tp: GroupInfo, sequence_parallel: bool = False,
+                 init_seed: int = 1234) -> None:
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
+        common = dict(tp=tp, sequence_parallel=self.sequence_parallel, init_seed=init_seed)
+        self.embedding = Embedding(cfg, self.padded_vocab_size, **common)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common) for i in range(cfg.num_layers))
+        self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
+                                    sequence_parallel=self.sequence_parallel)
+        self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
+        self.checkpointed_layers = recompute_layer_count(cfg)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
+        for i, layer in enumerate(self.layers):
+            if self.training and i < self.checkpointed_layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        x = self.final_layernorm(x)
+        tied = self.embedding.word_embeddings.weight if self.cfg.tie_embeddings else None
+        return self.output_layer(x, labels, tied)
+
+
+class OutputLayer(nn.Module):
+    """Final projection to vocab-parallel logits (optionally with the tied input embedding) + loss."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tp: GroupInfo, sequence_parallel: bool,
+                 init_seed: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.linear = ColumnParallelLinear(
+            cfg.hidden_size, padded_vocab_size, tp=tp, bias=False, init_std=cfg.init_method_std, seed=init_seed,
+            init_key="output_layer", use_cpu_init=cfg.use_cpu_initialization, sequence_parallel=sequence_parallel)
+        if cfg.tie_embeddings:
+            del self.linear.weight  # the embedding owns the weight; forward receives it
+            self.linear.weight = None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None, tied_weight: torch.Tensor | None):
+        """x: [s(/tp), b, h]; labels: [b, s]."""
+        logits, _ = self.linear(x, weight=tied_weight)  # [s, b, V/tp]
+        logits = logits.transpose(0, 1)  # [b, s, V/tp]
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp)
+
+
+def recompute_layer_count(cfg: ModelConfig) -> int:
+    if cfg.recompute_granularity != "full":
+        return 0
+    return cfg.num_layers if cfg.recompute_num_layers is None else min(cfg.recompute_num_layers, cfg.num_layers)
+
+
+def gather_logits(logits: torch.Tensor, tp: GroupInfo) -> torch.Tensor:
+    """Vocab-parallel [b, s, V/tp] -> full [b, s, V] on every TP rank (tests, generation, export)."""
+    return gather_from_tensor_model_parallel_region(logits, tp)

@@ -1,0 +1,42 @@
+"""Transformer MLP: GeLU or SwiGLU, column-parallel up-projection, row-parallel down-projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import GroupInfo
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import scaled_init_std
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool,
+                 init_seed: int) -> None:
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        common = dict(tp=tp, bias=cfg.add_bias_linear, seed=init_seed, use_cpu_init=cfg.use_cpu_initialization,
+                      sequence_parallel=sequence_parallel)
+        # SwiGLU's fc1 is [gate; up] stacked: stride 2 keeps each rank's gate and up rows aligned.
+        fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        self.dense_h_to_4h = ColumnParallelLinear(
+            cfg.hidden_size, fc1_out, init_std=cfg.init_method_std, stride=2 if cfg.swiglu else 1,
+            init_key=f"layers.{layer_number}.mlp.fc1", **common)
+        out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
+            else cfg.init_method_std
+        self.dense_4h_to_h = RowParallelLinear(
+            cfg.ffn_hidden_size, cfg.hidden_size, init_std=out_std,
+            init_key=f"layers.{layer_number}.mlp.fc2", **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s(/tp), b, h] -> [s(/tp), b, h]; the intermediate is [s, b, ffn/tp]."""
+        h, _ = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        out, _ = self.dense_4h_to_h(h)
+        return out

@@ -1,0 +1,24 @@
+"""Rotary position embeddings (RoFormer), in the rotate-half layout used by Megatron and HF Llama."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_cos_sin(seq_len: int, dim: int, base: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [s, 1, 1, dim], computed in fp32 then cast (cheap next to attention itself)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [s, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [s, b, n, d]."""
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,45 @@
+"""Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x)), on [s, b, h]."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import GroupInfo
+from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.model.attention import SelfAttention
+from megatron.model.mlp import MLP
+from megatron.model.norms import Norm
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool = False,
+                 init_seed: int = 1234) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_number = layer_number
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        norm = dict(kind=cfg.normalization, eps=cfg.layernorm_epsilon, tp=tp, sequence_parallel=sequence_parallel)
+        self.input_layernorm = Norm(cfg.hidden_size, **norm)
+        self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
+                                            init_seed=init_seed)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel, init_seed=init_seed)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.cfg.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        # Sequence-parallel shards hold different tokens on each TP rank: draw different masks.
+        ctx = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
+        with ctx:
+            return F.dropout(x, p=p, training=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s(/tp with SP), b, h] -> same shape."""
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
+        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))

@@ -1,0 +1,226 @@
+"""Communication of one training step on one GCD, per parallel group and per Frontier link tier.
+
+Counting conventions (what a wrapper around ``torch.distributed`` sees, and what goes over the wire):
+
+* ``payload_bytes`` of a call is the *unsharded* tensor of the collective: the tensor of an all-reduce or a
+  send, the gathered output of an all-gather, the full input of a reduce-scatter.
+* ``wire_bytes`` is what this rank sends under ring algorithms: all-reduce ``2(n-1)/n x payload``,
+  all-gather and reduce-scatter ``(n-1)/n x payload``, a point-to-point send ``payload``. Receives are not
+  counted (they mirror the sends).
+
+Which collectives run follows Megatron-LM with the DeepSpeed engine:
+
+* TP, per layer and micro-batch, without sequence parallelism (SP): 2 all-reduces in forward (attention
+  and MLP outputs), 2 in backward (inputs of the column-parallel QKV and FC1). With SP: 2 all-gathers +
+  2 reduce-scatters in forward; in backward their mirrors (2 RS + 2 AG) plus 2 AG re-gathering the
+  column-parallel inputs for the weight gradients (Megatron keeps only the sequence shard): 6 AG + 4 RS per
+  layer. Full recompute replays the forward's collectives. The embedding all-reduces (SP: reduce-scatters) its output in forward;
+  the output layer all-reduces its input gradient in backward (SP: AG forward, RS + AG backward); the
+  vocab-parallel cross entropy does 3 fp32 all-reduces of s x b values.
+* PP: per micro-batch one activation send forward (all but the last stage) and one gradient send backward
+  (all but the first), ``s x b x h`` (/t with SP), from every TP rank. With tied embeddings and PP > 1 the
+  first and last stages all-reduce the word-embedding gradient once per step.
+* DP over the local parameter shard P: ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters
+  gradients and all-gathers the updated weights once per step; ZeRO-2 reduce-scatters every micro-batch;
+  ZeRO-3 all-gathers weights in forward and again in backward (over the hpZ group with ZeRO++ hpZ) and
+  reduce-scatters gradients, every micro-batch.
+
+Rank order is Megatron's (TP innermost, then DP, then PP) with 8 GCDs per node and 2 per MI250X package
+(``megatron.topology``); a group's tier is the slowest link it crosses.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron.config import ModelConfig
+from megatron.perf.layout import Layout
+from megatron.perf.memory import stage_parameters
+from megatron.topology import GCDS_PER_NODE, TIERS
+
+GB = 1e9
+PACKAGE_BW = 200 * GB
+"""GCD <-> GCD inside one MI250X package."""
+NODE_BW = 50 * GB
+"""GCD <-> GCD across packages: the low end of FRONTIER.md's 50-100 GB/s, since rings use the slowest hop."""
+NIC_BW_PER_NODE = 100 * GB
+"""4 Slingshot NICs x 25 GB/s, shared by every GCD of the node that talks off-node at the same time."""
+LATENCY = {"package": 5e-6, "node": 10e-6, "network": 30e-6}
+"""Per ring step (per send); rough RCCL figures, an assumption rather than a measurement."""
+
+
+@dataclass
+class Collective:
+    group: str
+    """'tp', 'pp', 'dp' or 'embedding' (first <-> last stage)."""
+    op: str
+    """'all_reduce', 'all_gather', 'reduce_scatter' or 'send'."""
+    phase: str
+    """What it is for, e.g. 'layer fwd', 'zero grads'."""
+    calls: int
+    """Calls per optimizer step on this rank."""
+    payload_bytes: float
+    """Bytes of the unsharded tensor of one call (see the module docstring)."""
+    group_size: int
+    tier: str
+    members_on_node: int
+    """Members of the group on this rank's node (1 for a send): how many share the node's NICs."""
+    concurrent_on_node: int = 1
+    """GCDs of the node that push the same kind of traffic off-node at the same time."""
+
+    @property
+    def wire_factor(self) -> float:
+        n = self.group_size
+        if self.op == "send":
+            return 1.0
+        return (2.0 if self.op == "all_reduce" else 1.0) * (n - 1) / n
+
+    @property
+    def payload_per_step(self) -> float:
+        return self.calls * self.payload_bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends per step."""
+        return self.calls * self.payload_bytes * self.wire_factor
+
+    def bandwidth(self) -> float:
+        """Bytes/s one rank can push in this collective: the slowest link of the ring."""
+        if self.tier == "package":
+            return PACKAGE_BW
+        if self.tier == "node":
+            return NODE_BW
+        if self.op == "send":
+            # Off-node sends: the node's 100 GB/s is split among the GCDs sending at once.
+            return NIC_BW_PER_NODE / max(1, self.concurrent_on_node)
+        # A ring with k members per node crosses the node boundary once, so the 8/k groups on the node share
+        # its NICs; the ring also runs at the speed of its intra-node hops.
+        k = self.members_on_node
+        share = NIC_BW_PER_NODE * k / GCDS_PER_NODE
+        return share if k == 1 else min(share, PACKAGE_BW if k == 2 else NODE_BW)
+
+    def seconds_per_call(self) -> float:
+        steps = 1 if self.op == "send" else (self.group_size - 1) * (2 if self.op == "all_reduce" else 1)
+        return LATENCY[self.tier] * steps + self.payload_bytes * self.wire_factor / self.bandwidth()
+
+    @property
+    def seconds(self) -> float:
+        return self.calls * self.seconds_per_call()
+
+
+@dataclass
+class CommEstimate:
+    stage: int
+    collectives: list[Collective]
+
+    def wire_bytes_by_tier(self) -> dict[str, float]:
+        out = dict.fromkeys(TIERS, 0.0)
+        for c in self.collectives:
+            out[c.tier] += c.wire_bytes
+        return out
+
+    def payload_by_group(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for c in self.collectives:
+            out[c.group] += c.payload_per_step
+        return dict(out)
+
+    def seconds(self, groups: tuple[str, ...] | None = None, phases: tuple[str, ...] | None = None) -> float:
+        return sum(c.seconds for c in self.collectives
+                   if (groups is None or c.group in groups) and (phases is None or c.phase in phases))
+
+
+def _tier(ranks: list[int]) -> str:
+    if len({r // GCDS_PER_NODE for r in ranks}) > 1:
+        return "network"
+    return "package" if len({r // 2 for r in ranks}) == 1 else "node"
+
+
+@lru_cache(maxsize=4096)
+def _group_geometry(ranks: tuple[int, ...], me: int) -> tuple[str, int]:
+    """(tier, members on my node) of a group; cached because the planner asks for the same groups often."""
+    my_node = me // GCDS_PER_NODE
+    return _tier(list(ranks)), sum(1 for r in ranks if r // GCDS_PER_NODE == my_node)
+
+
+def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+    return (stage * layout.dp + dp_rank) * layout.tp + tp_rank
+
+
+def _sp_volumes(fwd_ar: int, bwd_ar: int, regather: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) that replace ``fwd_ar`` + ``bwd_ar`` all-reduces under SP."""
+    return fwd_ar + bwd_ar + regather, fwd_ar + bwd_ar
+
+
+def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0) -> CommEstimate:
+    """Collectives of one step on TP rank 0, DP rank 0 of pipeline ``stage``."""
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    a = layout.dtype_bytes
+    m = layout.num_microbatches
+    act = s * b * h * a
+    me = _rank(layout, stage)
+    out: list[Collective] = []
+
+    def add(group: str, op: str, phase: str, calls: int, payload: float, ranks: list[int], conc: int = 1) -> None:
+        if calls <= 0 or len(ranks) < 2:
+            return
+        tier, on_node = _group_geometry(tuple(ranks), me)
+        if op == "send":
+            on_node = 1
+        out.append(Collective(group, op, phase, calls, float(payload), len(ranks), tier, on_node, conc))
+
+    if t > 1:
+        tp_ranks = [_rank(layout, stage, 0, i) for i in range(t)]
+        n_layers = layout.stage_layers(model.num_layers)[stage]
+        fwd_per_layer = 2 * (2 if layout.recompute_granularity == "full" else 1)
+        if layout.sequence_parallel:
+            ag, rs = _sp_volumes(fwd_per_layer, 2, 2)
+            add("tp", "all_gather", "layers", m * n_layers * ag, act, tp_ranks)
+            add("tp", "reduce_scatter", "layers", m * n_layers * rs, act, tp_ranks)
+        else:
+            add("tp", "all_reduce", "layers", m * n_layers * (fwd_per_layer + 2), act, tp_ranks)
+        if stage == 0:
+            add("tp", "reduce_scatter" if layout.sequence_parallel else "all_reduce", "embedding", m, act, tp_ranks)
+            if layout.sequence_parallel:
+                add("tp", "all_gather", "embedding", m, act, tp_ranks)
+        if stage == layout.pp - 1:
+            if layout.sequence_parallel:
+                add("tp", "all_gather", "output layer", 2 * m, act, tp_ranks)
+                add("tp", "reduce_scatter", "output layer", m, act, tp_ranks)
+            else:
+                add("tp", "all_reduce", "output layer", m, act, tp_ranks)
+            add("tp", "all_reduce", "cross entropy", 3 * m, 4 * s * b, tp_ranks)
+
+    stage_gcds = min(GCDS_PER_NODE, t * layout.dp)
+    if layout.pp > 1:
+        p2p = act / (t if layout.sequence_parallel else 1)
+        if stage < layout.pp - 1:
+            add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
+        if stage > 0:
+            add("pp", "send", "gradients", m, p2p, [me, _rank(layout, stage - 1)], stage_gcds)
+        if model.tie_embeddings and stage in (0, layout.pp - 1):
+            pair = [_rank(layout, 0), _rank(layout, layout.pp - 1)]
+            add("embedding", "all_reduce", "tied embedding grads", 1,
+                model.padded_vocab_size(t) * h // t * a, pair, stage_gcds)
+
+    if layout.dp > 1:
+        p = stage_parameters(model, layout, stage)
+        w, g = p * a, p * a  # 16-bit (or fp32) weights and gradients on the wire
+        dp_ranks = [_rank(layout, stage, d) for d in range(layout.dp)]
+        z = layout.zero_stage
+        if z == 0:
+            add("dp", "all_reduce", "grads", 1, g, dp_ranks)
+        elif z == 1:
+            add("dp", "reduce_scatter", "grads", 1, g, dp_ranks)
+            add("dp", "all_gather", "weights", 1, w, dp_ranks)
+        elif z == 2:
+            add("dp", "reduce_scatter", "grads", m, g, dp_ranks)
+            add("dp", "all_gather", "weights", 1, w, dp_ranks)
+        else:
+            add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
+            k = layout.zero_hierarchy or layout.dp
+            add("dp", "all_gather", "weights bwd", m, w, dp_ranks[:k])
+            add("dp", "reduce_scatter", "grads", m, g, dp_ranks)
+    return CommEstimate(stage=stage, collectives=out)
