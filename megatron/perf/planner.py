@@ -1,0 +1,120 @@
+"""Search the parallel layouts of a model on N GCDs: keep those that fit in 64 GB, rank by predicted speed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron.config import ModelConfig
+from megatron.errors import ConfigError
+from megatron.perf.layout import Layout
+from megatron.perf.memory import GCD_MEMORY_BYTES, GIB, MemoryEstimate, estimate_memory
+from megatron.perf.step_time import StepTime, estimate_step_time
+from megatron.topology import GCDS_PER_NODE
+
+
+@dataclass
+class SearchSpace:
+    """The choices the planner tries. TP stays inside a node (FRONTIER.md: TP across nodes is latency-bound)."""
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    micro_batch_size: tuple[int, ...] = (1, 2, 4, 8)
+    zero_stage: tuple[int, ...] = (0, 1, 2, 3)
+    recompute_granularity: tuple[str | None, ...] = (None, "full")
+    """Selective recompute is left out by default: with flash attention it saves nothing."""
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    flash_attention: bool = True
+    dtype: str = "bf16"
+    max_stage_imbalance: float = 0.1
+    """A PP size that does not divide the layers is kept if its biggest stage is at most this much over average."""
+    pp: tuple[int, ...] | None = None
+    """Restrict PP sizes (default: every divisor of GCDs / TP that splits the layers sensibly)."""
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime
+    capacity: float = field(default=GCD_MEMORY_BYTES)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits(self.capacity)
+
+    def sort_key(self) -> tuple[float, float]:
+        # Rank by useful (model) TFLOP/s, i.e. by step time for a fixed model and batch: the hardware figure
+        # would reward recomputation, which adds FLOPs but never speed. Less memory breaks ties.
+        return (-self.time.model_tflops_per_gcd, self.memory.total)
+
+
+def pp_splits_sensibly(num_layers: int, pp: int, max_imbalance: float = 0.1) -> bool:
+    if pp > num_layers:
+        return False
+    return num_layers % pp == 0 or math.ceil(num_layers / pp) <= (1 + max_imbalance) * num_layers / pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
+                      space: SearchSpace | None = None) -> list[Layout]:
+    """Every valid layout: TP <= 8 dividing heads/KV heads/FFN, PP a sensible split, DP = gcds / (TP x PP),
+    the micro-batch dividing the per-replica batch, ZeRO >= 2 only without a pipeline."""
+    space = space or SearchSpace()
+    # Without DP every ZeRO stage costs the same: keep one (ZeRO-1, as the ORNL runs used, when allowed).
+    zero_without_dp = 1 if 1 in space.zero_stage else space.zero_stage[0]
+    out = []
+    for tp in space.tp:
+        if tp > GCDS_PER_NODE or gcds % tp:
+            continue
+        if (model.num_attention_heads % tp or model.num_key_value_heads % tp or model.ffn_hidden_size % tp):
+            continue
+        for pp in _divisors(gcds // tp):
+            if space.pp is not None and pp not in space.pp:
+                continue
+            if not pp_splits_sensibly(model.num_layers, pp, space.max_stage_imbalance):
+                continue
+            dp = gcds // (tp * pp)
+            for mbs in space.micro_batch_size:
+                if global_batch_size % (mbs * dp):
+                    continue
+                for zero in space.zero_stage:
+                    if (zero >= 2 and pp > 1) or (dp == 1 and zero != zero_without_dp):
+                        continue  # DeepSpeed's pipeline engine takes ZeRO 0/1 only
+                    for rc in space.recompute_granularity:
+                        for sp in space.sequence_parallel if tp > 1 else (False,):
+                            out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                                              global_batch_size=global_batch_size, zero_stage=zero,
+                                              sequence_parallel=sp, recompute_granularity=rc,
+                                              flash_attention=space.flash_attention, dtype=space.dtype))
+    return out
+
+
+def evaluate(model: ModelConfig, layout: Layout, capacity: float = GCD_MEMORY_BYTES) -> Candidate:
+    layout.validate_for(model)
+    return Candidate(layout, estimate_memory(model, layout), estimate_step_time(model, layout), capacity)
+
+
+def plan(model: ModelConfig, gcds: int, global_batch_size: int, space: SearchSpace | None = None,
+         capacity: float = GCD_MEMORY_BYTES) -> tuple[list[Candidate], list[Candidate]]:
+    """(layouts that fit, best first; every layout evaluated). Raises ConfigError when none fits."""
+    model.validate()
+    layouts = enumerate_layouts(model, gcds, global_batch_size, space)
+    if not layouts:
+        raise ConfigError(
+            f"no valid layout of {gcds} GCDs for --global-batch-size {global_batch_size}: the batch must be "
+            "divisible by data-parallel size x micro-batch for some TP x PP; try a batch that is a multiple of "
+            f"{gcds}"
+        )
+    everything = [evaluate(model, layout, capacity) for layout in layouts]
+    fitting = sorted((c for c in everything if c.fits), key=Candidate.sort_key)
+    if not fitting:
+        smallest = min(everything, key=lambda c: c.memory.total)
+        raise ConfigError(
+            f"no layout fits in {capacity / GIB:.0f} GiB per GCD on {gcds} GCDs (smallest: "
+            f"{smallest.layout.describe()} needs {smallest.memory.total / GIB:.1f} GiB): add GCDs (--nodes) "
+            "or shrink the model / sequence length"
+        )
+    return fitting, everything
