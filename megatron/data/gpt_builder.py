@@ -1,0 +1,149 @@
+"""The trainer's entry point to the data pipeline: --data-path / --split -> train, valid, test datasets, and the
+DataLoader that feeds one data-parallel rank."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.gpt_dataset import GPTDataset, parse_split, split_boundaries
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.errors import ConfigError
+
+SPLIT_NAMES = ("train", "valid", "test")
+# Each blended component gets this much more than its weighted share, so the greedy blend never runs short.
+_BLEND_MARGIN = 1.005
+
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
+    """``[p]`` -> ([1.0], [p]); ``[w1, p1, w2, p2, ...]`` -> (normalized weights, prefixes)."""
+    data_path = list(data_path)
+    if not data_path:
+        raise ConfigError("--data-path is empty: give PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    if len(data_path) == 1:
+        return [1.0], data_path
+    if len(data_path) % 2:
+        raise ConfigError(
+            f"--data-path has {len(data_path)} entries: to blend, give pairs 'W1 PREFIX1 W2 PREFIX2 ...' "
+            f"(a weight before every prefix)"
+        )
+    weights, prefixes = [], []
+    for w, p in zip(data_path[0::2], data_path[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ConfigError(
+                f"--data-path: {w!r} is not a weight; give 'W1 PREFIX1 W2 PREFIX2 ...' with a number before "
+                f"every prefix"
+            ) from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"--data-path: weight {w!r} for {p} must be a non-negative number")
+        weights.append(weight)
+        prefixes.append(p)
+    total = sum(weights)
+    if total <= 0:
+        raise ConfigError("--data-path: the weights sum to 0; give at least one positive weight")
+    return [w / total for w in weights], prefixes
+
+
+def build_train_valid_test_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    train_valid_test_num_samples: tuple[int, int, int],
+    data_cache_path: str | None,
+    tokenizer_vocab_size: int | None,
+    barrier: Callable[[], None] | None = None,
+    build_on_this_rank: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple:
+    """(train, valid, test); each is a GPTDataset, a BlendableDataset, or None when that split gets no samples
+    (num_samples 0, or no documents for valid/test). ``dataset[i]["text"]`` is int64[seq_length + 1].
+
+    Multi-rank: pass ``build_on_this_rank = (rank == 0)`` and a ``barrier`` callable (e.g.
+    ``torch.distributed.barrier``); rank 0 builds the index caches, then every rank loads them.
+    """
+    weights, prefixes = parse_data_path(data_path)
+    parse_split(split)  # a bad --split fails before any file is opened
+    indexed = []
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        ds.check_vocab(tokenizer_vocab_size)
+        indexed.append(ds)
+
+    results = []
+    for s, name in enumerate(SPLIT_NAMES):
+        wanted = int(train_valid_test_num_samples[s])
+        if wanted <= 0:
+            results.append(None)
+            continue
+        parts, part_weights = [], []
+        for ds, weight in zip(indexed, weights, strict=True):
+            if weight == 0:
+                continue
+            bounds = split_boundaries(split, ds.num_documents)
+            begin, end = bounds[s], bounds[s + 1]
+            if end <= begin:
+                if name == "train":
+                    raise ConfigError(
+                        f"--split {split} leaves the train split of {ds.prefix} with no documents (it has "
+                        f"{ds.num_documents}); give train a larger share, e.g. --split 969,30,1"
+                    )
+                log(f"warning: --split {split} gives {name} no documents of {ds.prefix}; it is left out of {name}")
+                continue
+            n = wanted if len(prefixes) == 1 else math.ceil(wanted * weight * _BLEND_MARGIN)
+            gpt = GPTDataset(
+                name,
+                ds,
+                begin,
+                end,
+                num_samples=n,
+                seq_length=seq_length,
+                seed=seed,
+                cache_dir=data_cache_path,
+                barrier=barrier,
+                build_on_this_rank=build_on_this_rank,
+                log=log,
+            )
+            parts.append(gpt)
+            part_weights.append(weight)
+        if not parts:
+            results.append(None)
+        elif len(prefixes) == 1:
+            results.append(parts[0])
+        else:
+            results.append(BlendableDataset(parts, part_weights, wanted))
+    return tuple(results)
+
+
+def build_data_loader(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    dataloader_type: str = "single",
+    seed: int = 0,
+):
+    """A torch DataLoader over this rank's micro-batches; batches are ``{"text": LongTensor[b, seq_length+1]}``.
+
+    ``dataloader_type`` is Megatron's: "single" (sequential, the default) or "cyclic" (shuffled per epoch).
+    """
+    import torch
+
+    from megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+
+    if dataloader_type == "single":
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    elif dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(
+            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size, seed=seed
+        )
+    else:
+        raise ConfigError(f"--dataloader-type {dataloader_type!r} must be 'single' or 'cyclic'")
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False, persistent_workers=num_workers > 0
+    )
