@@ -10,6 +10,9 @@ import numpy as np
 
 
 class MockGPTDataset:
+    """Each sample is an arithmetic progression modulo the vocab with a random start and stride:
+    learnable (the loss falls), so equivalence tests compare a moving loss, not a flat one."""
+
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234) -> None:
         self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
 
@@ -18,4 +21,5 @@ class MockGPTDataset:
 
     def __getitem__(self, idx: int) -> dict:
         rng = np.random.default_rng([self.seed, idx])
-        return {"text": rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)}
+        start, stride = rng.integers(0, self.vocab_size), rng.integers(1, 8)
+        return {"text": (start + stride * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size}

@@ -1,0 +1,111 @@
+"""ZeRO-1/2/3 with DP=2, and TP=2 x DP=2 under ZeRO-2, against a plain single-process torch loop."""
+
+import pytest
+import torch
+
+from tests.launcher import run_distributed
+
+STEPS, GBS, MBS = 10, 4, 1
+
+
+def _run_config(dp, tp, zero):
+    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+    from megatron.model.sizes import named_model
+
+    model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                        seq_length=16, vocab_size=120, make_vocab_size_divisible_by=64)
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(world_size=dp * tp, tensor_model_parallel_size=tp, zero_stage=zero),
+        # lr and clip chosen so that clipping is active: a wrong TP grad-norm would show.
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
+    ).validate()
+
+
+def reference_losses():
+    """Single process, no DeepSpeed: torch AdamW + clip_grad_norm_ + our LR schedule."""
+    from megatron.core.parallel_state import single_process_state
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import param_groups
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.lr_schedule import OptimizerParamScheduler
+    from megatron.training.step import gpt_forward_step
+
+    run = _run_config(1, 1, 0)
+    model = GPTModel(run.model, tp=single_process_state().tp, init_seed=run.training.seed)
+    o = run.optimizer
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                            eps=o.adam_eps)
+    sched = OptimizerParamScheduler(opt, o, STEPS)
+    data = microbatches(MockGPTDataset(1000, 16, 120, seed=9), 0, MBS, 0, 1, "cpu")
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(GBS // MBS):
+            loss = gpt_forward_step(model, next(data))
+            (loss / (GBS // MBS)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        opt.step()
+        sched.step()
+        losses.append(total / (GBS // MBS))
+    return losses
+
+
+def _train(tp, zero):
+    import deepspeed.comm as dist
+
+    from megatron.core.parallel_state import ParallelState
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.step import train_step
+
+    world = dist.get_world_size()
+    run = _run_config(world // tp, tp, zero)
+    state = ParallelState.build(tp)
+    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
+    ds = build_ds_config(run)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
+    engine = initialize_engine(model, run, state, ds)
+    data = microbatches(MockGPTDataset(1000, 16, 120, seed=9), 0, MBS, state.dp.rank, state.dp.size, "cpu")
+    gas = run.training.grad_accumulation_steps(state.dp.size)
+    losses = []
+    for _ in range(STEPS):
+        res = train_step(engine, data, gas)
+        t = torch.tensor([res.loss])
+        dist.all_reduce(t, group=state.dp.group)  # the DP-mean loss, as the log reports it
+        losses.append(t.item() / state.dp.size)
+    return losses
+
+
+def _worker(stages, tp):
+    from megatron.initialize import initialize_distributed
+
+    initialize_distributed("gloo")
+    return {z: _train(tp, z) for z in stages}
+
+
+def _check(results, ref, tol=1e-5):
+    for rank, res in enumerate(results):
+        for stage, losses in res.items():
+            for step, (a, b) in enumerate(zip(losses, ref)):
+                assert abs(a - b) <= tol * max(1.0, abs(b)), f"rank {rank} ZeRO-{stage} step {step}: {a} vs {b}"
+    # The model must actually learn something, or equal losses would prove little.
+    assert min(ref[5:]) < ref[0] - 0.05, ref
+
+
+@pytest.mark.timeout(900)
+def test_zero_123_dp2_match_single_process():
+    ref = reference_losses()
+    _check(run_distributed(_worker, world_size=2, stages=(1, 2, 3), tp=1), ref)
+
+
+@pytest.mark.timeout(900)
+def test_tp2_dp2_zero2_matches_single_process():
+    ref = reference_losses()
+    _check(run_distributed(_worker, world_size=4, stages=(2,), tp=2), ref)
