@@ -62,9 +62,11 @@ class GPT2BPETokenizer(_RustTokenizer):
     def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        files = (("--vocab-file", vocab_file), ("--merge-file", merge_file))
+        for flag, path in files:
             if not path:
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (vocab.json / merges.txt)")
+        for flag, path in files:
             if not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path} not found; make one with tools/train_tokenizer.py")
         try:
