@@ -1,0 +1,98 @@
+"""Communication bytes per step against hand counts, and the link tier each group crosses."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.config import ModelConfig
+from megatron.perf.comm import estimate_comm
+from megatron.perf.layout import Layout
+from megatron.perf.memory import stage_parameters
+
+M = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, vocab_size=256)
+S, H, L = 32, 64, 4
+
+
+def layout(**kw) -> Layout:
+    base = {"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "global_batch_size": 8, "zero_stage": 0}
+    return Layout(**(base | kw))
+
+
+def by(est, group, op, phase=None):
+    found = [c for c in est.collectives if c.group == group and c.op == op and (phase is None or c.phase == phase)]
+    assert len(found) == 1, (group, op, phase, est.collectives)
+    return found[0]
+
+
+def test_tp_all_reduces_without_sp():
+    lay = layout(tp=2)  # 4 micro-batches of 2 sequences
+    est = estimate_comm(M, lay, 0)
+    act = S * 2 * H * 2  # s x b x h in bf16
+    layers = by(est, "tp", "all_reduce", "layers")
+    assert (layers.calls, layers.payload_bytes, layers.group_size, layers.tier) == (4 * L * 4, act, 2, "package")
+    assert layers.wire_bytes == pytest.approx(layers.calls * act * 2 * (2 - 1) / 2)  # ring: 2(n-1)/n
+    assert by(est, "tp", "all_reduce", "embedding").calls == 4
+    assert by(est, "tp", "all_reduce", "output layer").calls == 4
+    ce = by(est, "tp", "all_reduce", "cross entropy")
+    assert (ce.calls, ce.payload_bytes) == (12, 4 * S * 2)
+    assert sum(c.payload_per_step for c in est.collectives) == 4 * (4 * L + 2) * act + 12 * 4 * S * 2
+    recompute = estimate_comm(M, layout(tp=2, recompute_granularity="full"), 0)
+    assert by(recompute, "tp", "all_reduce", "layers").calls == 4 * L * 6  # forward replayed
+
+
+def test_tp_sequence_parallel_gathers_and_scatters():
+    est = estimate_comm(M, layout(tp=4, sequence_parallel=True), 0)
+    act = S * 2 * H * 2
+    ag, rs = by(est, "tp", "all_gather", "layers"), by(est, "tp", "reduce_scatter", "layers")
+    assert (ag.calls, rs.calls, ag.payload_bytes, ag.tier) == (4 * L * 6, 4 * L * 4, act, "node")
+    assert ag.wire_bytes == pytest.approx(ag.calls * act * 3 / 4)  # (n-1)/n
+    assert by(est, "tp", "all_gather", "output layer").calls == 2 * 4
+    assert by(est, "tp", "reduce_scatter", "embedding").calls == 4
+
+
+def test_pp_sends_per_stage():
+    lay = layout(pp=4, dp=2)  # 8 GCDs: stages are rank pairs {0,1} {2,3} {4,5} {6,7}; 2 micro-batches of 2
+    act = S * 2 * H * 2
+    first, middle, last = (estimate_comm(M, lay, i) for i in (0, 1, 3))
+    assert by(first, "pp", "send", "activations").calls == 2
+    assert not [c for c in first.collectives if c.phase == "gradients"]
+    assert by(middle, "pp", "send", "activations").payload_bytes == act
+    assert by(middle, "pp", "send", "gradients").calls == 2
+    assert not [c for c in last.collectives if c.phase == "activations"]
+    assert by(first, "pp", "send", "activations").tier == "node"  # rank 0 -> rank 2: another package
+    assert by(first, "pp", "send", "activations").wire_bytes == 2 * act
+    # Tied embeddings: first and last stage all-reduce the word-embedding gradient once per step.
+    emb = by(first, "embedding", "all_reduce")
+    assert (emb.calls, emb.payload_bytes, emb.group_size) == (1, 256 * H * 2, 2)
+    assert not [c for c in middle.collectives if c.group == "embedding"]
+    sp = estimate_comm(M, layout(tp=2, pp=2, dp=2, sequence_parallel=True), 0)
+    assert by(sp, "pp", "send", "activations").payload_bytes == act / 2
+    assert by(sp, "pp", "send", "activations").tier == "node"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_dp_and_zero(zero):
+    lay = layout(dp=8, global_batch_size=32, zero_stage=zero)  # 2 micro-batches per step
+    est = estimate_comm(M, lay, 0)
+    p = stage_parameters(M, lay, 0) * 2
+    dp = [c for c in est.collectives if c.group == "dp"]
+    total = sum(c.payload_per_step for c in dp)
+    wire = sum(c.wire_bytes for c in dp)
+    expected = {0: (p, 2 * p * 7 / 8), 1: (2 * p, 2 * p * 7 / 8), 2: (3 * p, 3 * p * 7 / 8),
+                3: (6 * p, 6 * p * 7 / 8)}[zero]
+    assert (total, wire) == pytest.approx(expected)
+    assert all(c.tier == "node" and c.group_size == 8 for c in dp)
+
+
+def test_tiers_follow_rank_order():
+    # TP=8 fills a node, so every DP group has one member per node and crosses the network.
+    est = estimate_comm(M, layout(tp=8, dp=2, global_batch_size=4), 0)
+    assert by(est, "tp", "all_reduce", "layers").tier == "node"
+    dp = by(est, "dp", "all_reduce")
+    assert (dp.tier, dp.members_on_node) == ("network", 1)
+    assert est.wire_bytes_by_tier()["network"] == pytest.approx(dp.wire_bytes)
+    # hpZ: the backward all-gather stays inside the hpZ group (DP ranks 0-1 = one package at TP=1).
+    z3 = estimate_comm(M, layout(dp=16, global_batch_size=32, zero_stage=3, zero_hierarchy=2), 0)
+    assert by(z3, "dp", "all_gather", "weights fwd").tier == "network"
+    assert by(z3, "dp", "all_gather", "weights bwd").tier == "package"
+    assert by(z3, "dp", "all_gather", "weights bwd").seconds < by(z3, "dp", "all_gather", "weights fwd").seconds
