@@ -31,6 +31,7 @@ from megatron.perf.comm import CommEstimate, estimate_comm
 from megatron.perf.flops import IterationFlops, forward_flops_per_token, iteration_flops
 from megatron.perf.layout import Layout
 from megatron.perf.memory import stage_parameters
+from megatron.topology import GCDS_PER_NODE
 
 PEAK_FLOPS = {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12}
 """Dense matrix peak of one MI250X GCD (FRONTIER.md)."""
@@ -121,7 +122,7 @@ def _worst_middle_stage(layout: Layout) -> int | None:
     block = layout.tp * layout.dp
 
     def crosses_node(i: int, j: int) -> bool:
-        return (i * block) // 8 != (j * block) // 8
+        return (i * block) // GCDS_PER_NODE != (j * block) // GCDS_PER_NODE
 
     for stage in range(1, layout.pp - 1):
         if crosses_node(stage, stage + 1) or crosses_node(stage, stage - 1):

@@ -8,6 +8,7 @@ from megatron.config import ModelConfig
 from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import stage_parameters
+from megatron.topology import frontier_placement, group_tier, parallel_groups
 
 M = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, vocab_size=256)
 S, H, L = 32, 64, 4
@@ -96,3 +97,23 @@ def test_tiers_follow_rank_order():
     assert by(z3, "dp", "all_gather", "weights fwd").tier == "network"
     assert by(z3, "dp", "all_gather", "weights bwd").tier == "package"
     assert by(z3, "dp", "all_gather", "weights bwd").seconds < by(z3, "dp", "all_gather", "weights fwd").seconds
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 8, 2), (2, 4, 4), (4, 2, 4), (8, 2, 2), (2, 1, 16)])
+def test_tiers_agree_with_topology(tp, pp, dp):
+    """comm.py's fast tier arithmetic gives the same answer as megatron.topology's placement tables."""
+    placements = frontier_placement(tp * pp * dp)
+    groups = parallel_groups(tp * pp * dp, tp, pp)
+    lay = layout(tp=tp, pp=pp, dp=dp, global_batch_size=2 * dp)
+    for stage in range(pp):
+        est = estimate_comm(M, lay, stage)
+        me = stage * dp * tp
+        for kind, name in (("tp", "tp"), ("dp", "dp")):
+            group = next(g for g in groups[kind] if me in g)
+            for c in est.collectives:
+                if c.group == name and len(group) == c.group_size and c.phase != "weights bwd":
+                    assert c.tier == group_tier(group, placements)
+        for c in est.collectives:
+            if c.group == "pp":
+                peer = me + (dp * tp if c.phase == "activations" else -dp * tp)
+                assert c.tier == group_tier([me, peer], placements)
