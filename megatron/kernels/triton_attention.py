@@ -1,0 +1,283 @@
+"""Flash attention (forward + backward, causal or not, GQA) in Triton, wrapped as an autograd Function.
+
+Same algorithm as csrc/flash_attention: online softmax over key tiles, the log-sum-exp saved for the
+backward pass, which recomputes probabilities tile by tile (dK/dV per key tile, dQ per query tile; no
+atomics). Runs on GPUs through Triton's ROCm/CUDA backends and on CPU under TRITON_INTERPRET=1, where it
+is checked against a float64 reference (tests/unit/kernels).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here, so tests can poison it (NaN) and prove it is fully written."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _blocks() -> tuple[int, int]:
+    # 64x64 tiles suit MI250X (64-lane wavefronts); the interpreter's cost grows with tile area and the
+    # tests use short sequences, so small tiles there also exercise many partial/masked tiles.
+    return (16, 16) if _interpreting() else (64, 64)
+
+
+@triton.jit
+def _mm(a, b, UPCAST: tl.constexpr):
+    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (a documented limitation); bf16 values
+    # are exact in fp32, so upcasting there computes what the GPU's bf16 x bf16 -> fp32 dot computes.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                heads_q, group, seqlen, scale_log2,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    hk = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen
+    mask_d = offs_d < HEAD_DIM
+
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = seqlen
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)  # later key tiles are all above the diagonal
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen
+        kt = tl.load(k_base + cols[None, :] * sks + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
+                     other=0.0)  # (d, n)
+        s = _mm(q, kt, UPCAST) * scale_log2  # (m, n), log2 units
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Padding rows past seqlen see no key in a tile; a finite reference keeps exp2 away from -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                    other=0.0)  # (n, d)
+        # P is rounded to the input dtype for the tensor-core/MFMA product, as FlashAttention-2 does.
+        acc = acc * alpha[:, None] + _mm(p.to(V.dtype.element_ty), v, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(LSE + bh * seqlen + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=mask_m)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                     heads_q, group, seqlen, scale, scale_log2,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    # q, o, dO, dq share strides (sq*); k, dk share sk*; v, dv share sv* (the wrapper makes them so).
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    heads_kv = heads_q // group
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < seqlen
+    mask_d = offs_d < HEAD_DIM
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier query tiles cannot see these keys
+    for g in range(group):  # every query head of this kv head's GQA group: dK/dV summed in registers
+        h = hk * group + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sqb + h * sqh
+        row_base = (b * heads_q + h) * seqlen
+        for start_m in range(lo, seqlen, BLOCK_M):
+            offs_m = start_m + offs_m0
+            mask_m = offs_m < seqlen
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
+            st = _mm(k, tl.trans(q), UPCAST) * scale_log2  # (n, m): transposed scores
+            visible = mask_n[:, None] & mask_m[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :])
+            pt = tl.where(visible, tl.math.exp2(st - lse[None, :]), 0.0)
+            dv += _mm(pt.to(DO.dtype.element_ty), do, UPCAST)
+            dpt = _mm(v, tl.trans(do), UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk += _mm(dst.to(Q.dtype.element_ty), q, UPCAST)
+
+    tl.store(DK + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=mask_nd)
+    tl.store(DV + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=mask_nd)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                   heads_q, group, seqlen, scale, scale_log2,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    hk = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen
+    mask_d = offs_d < HEAD_DIM
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+    do = tl.load(DO + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+    lse = tl.load(LSE + bh * seqlen + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * seqlen + offs_m, mask=mask_m, other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    hi = seqlen
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        mask_n = offs_n < seqlen
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = _mm(q, tl.trans(k), UPCAST) * scale_log2
+        visible = mask_m[:, None] & mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = _mm(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(K.dtype.element_ty), k, UPCAST)
+
+    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=mask_md)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> str | None:
+    """Why this kernel cannot run these inputs (the seam then falls back to torch), or None."""
+    if dropout_p > 0.0:
+        return "attention dropout > 0"
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}"
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        return f"shapes q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)} (need equal b, s, d)"
+    if q.shape[-1] > _MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {_MAX_HEAD_DIM}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
+    return None
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    # Kernels take batch/head/seq strides but assume the head dim is contiguous.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
+    bq, bn = _blocks()
+    return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])), "BLOCK_M": bq,
+                "BLOCK_N": bn, "UPCAST": _interpreting() and q.dtype == torch.bfloat16}
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o [b, nq, s, d] in q's dtype, lse [b, nq, s] fp32, natural log)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    b, nq, s, _ = q.shape
+    o = _alloc(tuple(q.shape), q.dtype, q.device)
+    lse = _alloc((b, nq, s), torch.float32, q.device)
+    meta = _common(q, k)
+    grid = (triton.cdiv(s, meta["BLOCK_M"]), b * nq)
+    _fwd_kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                      nq, nq // k.shape[1], s, scale * math.log2(math.e), CAUSAL=causal, **meta)
+    return o, lse
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """Returns (dq, dk, dv) in the input dtypes."""
+    # One stride set serves q/dO/dq, another k/dk, another v/dv: make them contiguous and alike.
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    b, nq, s, _ = q.shape
+    nkv = k.shape[1]
+    # delta = rowsum(dO * O): one cheap elementwise pass, done in fp32 by torch.
+    delta = (do.float() * o.float()).sum(-1)
+    dq = _alloc(tuple(q.shape), q.dtype, q.device)
+    dk = _alloc(tuple(k.shape), k.dtype, k.device)
+    dv = _alloc(tuple(v.shape), v.dtype, v.device)
+    meta = _common(q, k)
+    args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], nq, nq // nkv, s, scale, scale * math.log2(math.e))
+    _bwd_dkdv_kernel[(triton.cdiv(s, meta["BLOCK_N"]), b * nkv)](q, k, v, do, lse, delta, dk, dv, *args,
+                                                                 CAUSAL=causal, **meta)
+    _bwd_dq_kernel[(triton.cdiv(s, meta["BLOCK_M"]), b * nq)](q, k, v, do, lse, delta, dq, *args,
+                                                              CAUSAL=causal, **meta)
+    return dq, dk, dv
+
+
+class TritonFlashAttention(torch.autograd.Function):
+    """o = softmax(q k^T * scale [+ causal mask]) v, with GQA; saves (q, k, v, o, lse) for backward."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+        o, lse = attention_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    softmax_scale: float | None = None) -> torch.Tensor:
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return TritonFlashAttention.apply(q, k, v, causal, scale)

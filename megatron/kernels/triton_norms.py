@@ -1,0 +1,182 @@
+"""Fused LayerNorm / RMSNorm (forward + backward) in Triton, wrapped as autograd Functions.
+
+Same algorithm as csrc/fused_layernorm: fp32 statistics, per-row mean and rstd saved for backward, and
+the gamma/beta gradients reduced across rows in two deterministic stages (per-program partial sums, then
+a sum over programs). Checked on CPU under TRITON_INTERPRET=1 against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A row lives in one program's registers; 32768 covers Megatron hidden sizes up to the 1T model's 25600.
+MAX_COLS = 32768
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here, so tests can poison it (NaN) and prove it is fully written."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _num_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+@triton.jit
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_cols, eps,
+                     BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, 0) / n_cols
+        # Two-pass variance on the row held in registers: no sum(x^2) - n mean^2 cancellation.
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(MEAN + row, mean)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    y = xc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx,
+                     n_rows, n_cols, rows_per_prog,
+                     BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Each program owns a strip of rows: it writes their dx and one partial row of dgamma/dbeta.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    db_acc = tl.zeros([BLOCK], tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for row in range(row_start, row_end):
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        wdy = w * dy
+        c1 = tl.sum(xhat * wdy, 0) / n_cols
+        if RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, 0) / n_cols
+            dx = (wdy - xhat * c1 - c2) * rstd
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=mask)
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why the fused norm cannot run these inputs (the seam then falls back to torch), or None."""
+    if x.dtype not in _SUPPORTED_DTYPES:
+        return f"dtype {x.dtype}"
+    # Mixed dtypes change the output dtype under torch's promotion rules; keep the torch path for them.
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"weight/bias dtype differs from input dtype {x.dtype}"
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or (bias is not None and bias.shape != weight.shape):
+        return f"weight shape {tuple(weight.shape)} for input {tuple(x.shape)}"
+    if x.shape[-1] > MAX_COLS:
+        return f"hidden size {x.shape[-1]} > {MAX_COLS}"
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                 rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y shaped like x, mean [rows] fp32 (empty for RMSNorm), rstd [rows] fp32)."""
+    x2 = _rows(x)
+    rows, cols = x2.shape
+    y = _alloc((rows, cols), x.dtype, x.device)
+    mean = _alloc((0 if rms else rows,), torch.float32, x.device)
+    rstd = _alloc((rows,), torch.float32, x.device)
+    block = triton.next_power_of_2(cols)
+    if rows:
+        _norm_fwd_kernel[(rows,)](x2, weight, bias if bias is not None else weight, y, mean if not rms else rstd,
+                                  rstd, x2.stride(0), y.stride(0), cols, eps, BLOCK=block, RMS=rms,
+                                  HAS_BIAS=bias is not None, num_warps=_num_warps(block))
+    return y.view(x.shape), mean, rstd
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                  has_bias: bool, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns (dx shaped like x, dweight, dbias or None)."""
+    x2, dy2 = _rows(x), _rows(dy)
+    rows, cols = x2.shape
+    dx = _alloc((rows, cols), x.dtype, x.device)
+    # Enough programs to fill a GPU; few under the interpreter, where each program costs Python time.
+    progs = max(1, min(rows, 4 if os.environ.get("TRITON_INTERPRET") == "1" else 512))
+    rows_per_prog = triton.cdiv(max(rows, 1), progs)
+    dw_part = _alloc((progs, cols), torch.float32, x.device)
+    db_part = _alloc((progs, cols), torch.float32, x.device) if has_bias else dw_part
+    block = triton.next_power_of_2(cols)
+    if rows:
+        _norm_bwd_kernel[(progs,)](dy2, x2, weight, mean if not rms else rstd, rstd, dx, dw_part, db_part,
+                                   x2.stride(0), dy2.stride(0), dx.stride(0), rows, cols, rows_per_prog,
+                                   BLOCK=block, RMS=rms, HAS_BIAS=has_bias, num_warps=_num_warps(block))
+    else:
+        dw_part.zero_()
+        db_part.zero_()
+    # Second stage of the row reduction: a fixed-order fp32 sum over the programs' partial rows.
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(weight.dtype) if has_bias else None
+    return dx.view(x.shape), dw, db
+
+
+class TritonLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        y, mean, rstd = norm_forward(x, weight, bias, eps, rms=False)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, ctx.has_bias, rms=False)
+        return dx, dw, db, None
+
+
+class TritonRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, mean, rstd = norm_forward(x, weight, None, eps, rms=True)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, _ = norm_backward(dy, x, weight, mean, rstd, has_bias=False, rms=True)
+        return dx, dw, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return TritonLayerNorm.apply(x, weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return TritonRMSNorm.apply(x, weight, eps)
