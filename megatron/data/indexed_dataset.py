@@ -123,8 +123,8 @@ class IndexedDataset:
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 raise DataError(
-                    f"{path} not found: --data-path takes the prefix shared by PREFIX.bin and PREFIX.idx "
-                    f"(e.g. my-corpus_text_document); {_REBUILD}"
+                    f"{path} not found: a dataset is named by the prefix of its PREFIX.bin and PREFIX.idx files "
+                    f"(e.g. --data-path data/my-corpus_text_document); {_REBUILD}"
                 )
         idx_bytes = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:

@@ -37,7 +37,7 @@ def _patch(path: str, offset: int, data: bytes) -> None:
 @pytest.mark.parametrize("missing", [".bin", ".idx"])
 def test_missing_file(copy_of, missing):
     os.remove(copy_of + missing)
-    with pytest.raises(DataError, match=rf"copy\{missing} not found: --data-path takes the prefix"):
+    with pytest.raises(DataError, match=rf"copy\{missing} not found: a dataset is named by the prefix"):
         IndexedDataset(copy_of)
 
 
