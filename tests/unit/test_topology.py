@@ -161,14 +161,17 @@ def test_single_process_default():
 def test_real_mpirun_discovery_via_mpi4py(tmp_path):
     pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    # Each rank writes its own file: two ranks printing to one pipe interleave their lines.
     code = ("from megatron.topology import discover_ranks; i = discover_ranks(); assert discover_ranks() == i; "
-            "print(i.rank, i.world_size, i.local_rank, i.local_world_size, i.node_index, i.master_addr, i.source)")
+            "open(f'rank{i.rank}.txt', 'w').write(' '.join(map(str, (i.rank, i.world_size, i.local_rank, "
+            "i.local_world_size, i.node_index, i.master_addr, i.source))))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([mpirun, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          timeout=120, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert sorted(out.stdout.strip().splitlines()) == ["0 2 0 2 0 127.0.0.1 mpi", "1 2 1 2 0 127.0.0.1 mpi"]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [
+        "0 2 0 2 0 127.0.0.1 mpi", "1 2 1 2 0 127.0.0.1 mpi"]
 
 
 def test_megatron_rank_order():
