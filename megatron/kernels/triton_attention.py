@@ -219,10 +219,10 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
-    bq, bn = _blocks()
-    return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])), "BLOCK_M": bq,
-                "BLOCK_N": bn, "UPCAST": _interpreting() and q.dtype == torch.bfloat16}
+def _meta(q: torch.Tensor) -> dict:
+    bm, bn = _blocks()
+    return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])), "BLOCK_M": bm,
+            "BLOCK_N": bn, "UPCAST": _interpreting() and q.dtype == torch.bfloat16}
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -232,7 +232,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     b, nq, s, _ = q.shape
     o = _alloc(tuple(q.shape), q.dtype, q.device)
     lse = _alloc((b, nq, s), torch.float32, q.device)
-    meta = _common(q, k)
+    meta = _meta(q)
     grid = (triton.cdiv(s, meta["BLOCK_M"]), b * nq)
     _fwd_kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                       nq, nq // k.shape[1], s, scale * math.log2(math.e), CAUSAL=causal, **meta)
@@ -251,7 +251,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq = _alloc(tuple(q.shape), q.dtype, q.device)
     dk = _alloc(tuple(k.shape), k.dtype, k.device)
     dv = _alloc(tuple(v.shape), v.dtype, v.device)
-    meta = _common(q, k)
+    meta = _meta(q)
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], nq, nq // nkv, s, scale, scale * math.log2(math.e))
     _bwd_dkdv_kernel[(triton.cdiv(s, meta["BLOCK_N"]), b * nkv)](q, k, v, do, lse, delta, dk, dv, *args,
                                                                  CAUSAL=causal, **meta)

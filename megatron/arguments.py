@@ -1,0 +1,181 @@
+"""Megatron-DeepSpeed's command-line flags, turned into validated config dataclasses.
+
+Only entry points (pretrain_gpt.py, tools/) call this; model and data code take the configs.
+Flag names keep Megatron's spelling (dashes), except DeepSpeed's own --deepspeed_config and --local_rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
+from megatron.errors import ConfigError
+from megatron.model.sizes import model_names, named_model
+
+
+def _parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="use the plain GPTModel (no DeepSpeed pipeline engine); needed for ZeRO-2/3")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo", "ccl", "mpi"],
+                   help="default: the accelerator's own (gloo on CPU, nccl=RCCL on ROCm)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by DeepSpeed's launcher")
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", choices=model_names(), default=None,
+                   help="a named shape (explicit shape flags override its fields)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-key-value-heads", "--num-query-groups", dest="num_key_value_heads", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None)
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--use-rotary-position-embeddings", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-cpu-initialization", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--checkpoint-activations", action="store_true", help="= --recompute-granularity full")
+    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
+    g.add_argument("--use-flash-attn", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
+                   help="the HIP flash-attention kernel (csrc/), when built")
+    g.add_argument("--use-flash-attn-triton", action="store_true")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch, optimiser and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
+    g = p.add_argument_group("DeepSpeed")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is always used")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--demo-corpus", action="store_true",
+                   help="the embedded default corpus (Python standard-library docstrings, byte tokens)")
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the null/mock tokenizer")
+
+
+def build_parser(extra=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
+    _parallel(p)
+    _model(p)
+    _training(p)
+    if extra is not None:
+        extra(p)
+    return p
+
+
+def parse_args(argv=None, extra=None) -> argparse.Namespace:
+    return build_parser(extra).parse_args(argv)
+
+
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    overrides = {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+        "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
+        "seq_length": args.seq_length, "max_position_embeddings": args.max_position_embeddings,
+        "normalization": args.normalization, "swiglu": args.swiglu,
+        "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
+    }
+    if args.position_embedding_type or args.use_rotary_position_embeddings:
+        overrides["position_embedding_type"] = args.position_embedding_type or "rope"
+    if args.disable_bias_linear:
+        overrides["add_bias_linear"] = False
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else
+                                                 "selective" if args.recompute_activations else None)
+    common = dict(
+        vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
+        recompute_granularity=granularity, recompute_num_layers=args.recompute_num_layers,
+    )
+    if args.model_size:
+        return named_model(args.model_size, **overrides, **common)
+    missing = [f"--{f.replace('_', '-')}" for f in _SHAPE_FLAGS if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} not given: pass the model shape or --model-size NAME")
+    return ModelConfig(**overrides, **common)
+
+
+def attention_backend(args: argparse.Namespace) -> str:
+    if args.use_flash_attn_v2 and args.use_flash_attn_triton:
+        raise ConfigError("--use-flash-attn-v2 and --use-flash-attn-triton are both set: pick one")
+    return "hip" if args.use_flash_attn_v2 else "triton" if args.use_flash_attn_triton else "auto"
+
+
+def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
+    """Validate everything together; raises ConfigError naming the flags and the fix."""
+    if args.lr is None:
+        raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
+    if args.train_iters is None:
+        raise ConfigError("--train-iters not given: set how many iterations to train")
+    run = RunConfig(
+        model=model_config_from_args(args, vocab_size),
+        parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0),
+        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+                                  lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
+                                  lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+                                  clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                  adam_eps=args.adam_eps),
+        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, initial_loss_scale=args.initial_loss_scale,
+                                  loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                                  min_loss_scale=args.min_loss_scale),
+        training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                                train_iters=args.train_iters, eval_interval=args.eval_interval,
+                                eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
+                                tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops),
+    )
+    return run.validate()

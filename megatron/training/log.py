@@ -1,0 +1,104 @@
+"""Training log in Megatron-DeepSpeed's line format (users' tools parse it), plus MFU, memory and ETA,
+and TensorBoard scalars. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import datetime
+import resource
+import sys
+import time
+
+from deepspeed.accelerator import get_accelerator
+
+from megatron.config import RunConfig
+from megatron.perf.flops import iteration_flops
+
+
+def print_rank0(msg: str, rank: int) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def memory_gb() -> float:
+    """Peak device memory (GPU) or peak resident set size of this process (CPU), in GB."""
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        return acc.max_memory_allocated() / 1e9
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024 / 1e9 if sys.platform != "darwin" else kb / 1e9
+
+
+class TrainingLogger:
+    def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float, writer=None) -> None:
+        self.run, self.rank, self.writer = run, rank, writer
+        t, m = run.training, run.model
+        flops = iteration_flops(m, t.global_batch_size, padded_vocab, m.recompute_granularity, m.recompute_num_layers)
+        self.flops = flops
+        self.peak = peak_tflops
+        self.world = run.parallel.world_size
+        self.recompute = m.recompute_granularity or "none"
+        self._reset()
+        self.start = time.perf_counter()
+        self.iters_done = 0
+
+    def _reset(self) -> None:
+        self.loss_sum, self.n, self.time_sum, self.skipped = 0.0, 0, 0.0, 0
+        self.last = time.perf_counter()
+
+    def iteration(self, it: int, dp_mean_loss: float | None, res, consumed: int) -> None:
+        """Record one iteration; print at --log-interval. ``dp_mean_loss`` is only needed on log steps."""
+        now = time.perf_counter()
+        self.time_sum += now - self.last
+        self.last = now
+        self.n += 1
+        self.iters_done += 1
+        self.skipped += int(res.skipped)
+        if dp_mean_loss is None:
+            return
+        self.loss_sum = dp_mean_loss
+        self._emit(it, res, consumed)
+        self._reset()
+
+    def _emit(self, it: int, res, consumed: int) -> None:
+        t = self.run.training
+        dt = self.time_sum / self.n
+        seq = self.run.model.seq_length
+        tokens_per_s = t.global_batch_size * seq / dt
+        tflops = self.flops.total / dt / self.world / 1e12
+        mfu = 100.0 * self.flops.model / dt / self.world / 1e12 / self.peak
+        eta = (time.perf_counter() - self.start) / self.iters_done * (t.train_iters - it)
+        mem = memory_gb()
+        norm = "n/a" if res.grad_norm is None else f"{res.grad_norm:.3f}"
+        scale = "1.0" if res.loss_scale is None else f"{res.loss_scale:.1f}"
+        line = (
+            f" iteration {it:8d}/{t.train_iters:8d} | consumed samples: {consumed:12d} | "
+            f"consumed tokens: {consumed * seq:14d} | elapsed time per iteration (ms): {dt * 1000:.1f} | "
+            f"learning rate: {res.lr:.3E} | global batch size: {t.global_batch_size:5d} | "
+            f"lm loss: {self.loss_sum:.6E} | loss scale: {scale} | grad norm: {norm} | "
+            f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: 0 | "
+            f"samples per second: {t.global_batch_size / dt:.3f} | tokens per second: {tokens_per_s:.1f} | "
+            f"tokens per gpu per second (tgs): {tokens_per_s / self.world:.1f} | TFLOPs: {tflops:.2f} | "
+            f"MFU: {mfu:.2f}% | recompute: {self.recompute} | mem (GB): {mem:.2f} | "
+            f"ETA: {datetime.timedelta(seconds=int(eta))} |"
+        )
+        print_rank0(line, self.rank)
+        if self.writer is not None and self.rank == 0:
+            for name, val in (("lm loss", self.loss_sum), ("learning-rate", res.lr), ("tokens-per-sec", tokens_per_s),
+                              ("TFLOPs", tflops), ("MFU", mfu), ("mem-GB", mem)):
+                self.writer.add_scalar(name, val, it)
+            if res.grad_norm is not None:
+                self.writer.add_scalar("grad-norm", res.grad_norm, it)
+            if res.loss_scale is not None:
+                self.writer.add_scalar("loss-scale", res.loss_scale, it)
+            self.writer.flush()
+
+    def validation(self, it: int, loss: float, label: str = "validation") -> None:
+        import math
+
+        ppl = math.exp(min(20.0, loss))
+        bar = "-" * 100
+        print_rank0(f"{bar}\n {label} loss at iteration {it} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+                    f"\n{bar}", self.rank)
+        if self.writer is not None and self.rank == 0:
+            self.writer.add_scalar(f"{label}/lm loss", loss, it)
+            self.writer.flush()

@@ -1,0 +1,137 @@
+"""``pretrain()``: the Megatron-style entry point. Entry scripts supply providers; this runs the loop.
+
+    pretrain(argv, model_provider, datasets_provider, forward_step)
+
+model_provider(run, pstate) -> nn.Module
+datasets_provider(args, run, train_valid_test_num_samples) -> (train, valid, vocab_size-independent)
+forward_step(model, batch) -> scalar loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron.arguments import parse_args, run_config_from_args
+from megatron.config import RunConfig
+from megatron.core import comm
+from megatron.core.parallel_state import ParallelState
+from megatron.errors import ConfigError
+from megatron.training.batches import microbatches
+from megatron.training.log import TrainingLogger, print_rank0
+from megatron.training.peak import device_peak_tflops
+from megatron.training.step import train_step
+
+
+@dataclass
+class Providers:
+    model: Callable
+    datasets: Callable
+    forward_step: Callable
+    vocab_size: Callable[[argparse.Namespace], int]
+    """Vocabulary size (before padding) implied by the data/tokenizer flags."""
+
+
+def _dp_mean(value: float, pstate: ParallelState) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if pstate.dp.size > 1:
+        comm.all_reduce(t, pstate.dp.group)
+    return t.item() / pstate.dp.size
+
+
+def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int) -> float:
+    """Mean lm loss over ``iters`` global batches of the validation set, averaged over DP."""
+    engine.eval()
+    gas = run.training.grad_accumulation_steps(pstate.dp.size)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for _ in range(iters * gas):
+            total += forward_step(engine, next(data)).float().item()
+            n += 1
+    engine.train()
+    return _dp_mean(total / max(1, n), pstate)
+
+
+def _tensorboard(run: RunConfig, rank: int):
+    if not run.training.tensorboard_dir or rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=run.training.tensorboard_dir)
+
+
+def pretrain(argv, providers: Providers, extra_args=None) -> dict:
+    """Parse flags, set up, train. Returns a summary (first/last loss) for scripts and tests."""
+    from megatron import topology
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.initialize import initialize_megatron, shutdown
+
+    args = parse_args(argv, extra_args)
+    ranks = topology.discover_ranks(os.environ)
+    run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
+    if run.parallel.pp > 1:
+        raise ConfigError("--pipeline-model-parallel-size > 1 is not supported yet (issue 3); use 1")
+
+    pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
+                                 args.distributed_timeout_minutes)
+    rank = pstate.global_rank
+    try:
+        ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
+        print_rank0(f"> layout: world {run.parallel.world_size} = TP {run.parallel.tp} x PP {run.parallel.pp} x "
+                    f"DP {run.parallel.dp}; ZeRO-{run.parallel.zero_stage}; {run.precision.name}; "
+                    f"sequence parallel {run.parallel.sequence_parallel}\n{pstate.describe()}", rank)
+        model = providers.model(run, pstate)
+        n_params = sum(p.numel() for p in model.parameters())
+        print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
+                    f"{n_params / 1e6:.3f}M parameters on this rank (full model "
+                    f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
+        engine = initialize_engine(model, run, pstate, ds_config)
+        print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
+                    f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
+        return _train(args, run, pstate, engine, providers)
+    finally:
+        shutdown()
+
+
+def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers) -> dict:
+    t = run.training
+    rank = pstate.global_rank
+    gbs = t.global_batch_size
+    eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
+    train_ds, valid_ds = providers.datasets(args, run, (t.train_iters * gbs, eval_runs * t.eval_iters * gbs))
+    mbs, dp = t.micro_batch_size, pstate.dp
+    train_data = microbatches(train_ds, 0, mbs, dp.rank, dp.size)
+    gas = t.grad_accumulation_steps(dp.size)
+
+    peak, peak_src = device_peak_tflops(run.precision.name, t.peak_tflops)
+    print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)
+    writer = _tensorboard(run, rank)
+    logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer)
+    first_loss = last_loss = None
+    consumed, interval_sum, interval_n = 0, 0.0, 0
+    for it in range(1, t.train_iters + 1):
+        res = train_step(engine, train_data, gas, providers.forward_step)
+        consumed += gbs
+        interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
+        log_now = it % t.log_interval == 0 or it == t.train_iters
+        loss = None
+        if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
+            loss = _dp_mean(interval_sum / interval_n, pstate)
+            interval_sum, interval_n = 0.0, 0
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"lm loss is {loss} at iteration {it}")
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+        logger.iteration(it, loss, res, consumed)
+        if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
+            valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
+            logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
+    if writer is not None:
+        writer.close()
+        print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
+    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": t.train_iters}
