@@ -52,10 +52,11 @@ def available(backend: str, op: str, device: torch.device) -> tuple[bool, str]:
     if backend == "torch":
         return True, ""
     if backend == "triton":
-        if not triton_importable():
-            return False, "triton is not installed"
+        # Device first: on a plain CPU run, triton is never imported.
         if not (_is_gpu(device) or os.environ.get("TRITON_INTERPRET") == "1"):
             return False, f"device is {device.type} and TRITON_INTERPRET is not 1"
+        if not triton_importable():
+            return False, "triton is not installed"
         return True, ""
     if backend == "hip":
         from megatron.kernels import hip_ops
