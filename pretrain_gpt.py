@@ -1,7 +1,10 @@
 """Pretrain a GPT (GPT-2 or Llama variant) with TP x PP x ZeRO-DP: Megatron-DeepSpeed's entry point.
 
-    python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+    python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 512
+
+Data: --data-path (Megatron .bin/.idx, blended by weight) with a --tokenizer-type, or --mock-data, or
+--demo-corpus (the embedded default corpus, byte tokens). --dry-run prints the layout and exits.
 """
 
 import sys
@@ -16,7 +19,22 @@ def model_provider(run, pstate):
                     init_seed=run.training.seed)
 
 
+def _tokenizer(args):
+    from megatron.tokenizer import build_tokenizer
+
+    if args.tokenizer_type is None:
+        raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file or --tokenizer-model)")
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
 def vocab_size(args) -> int:
+    sources = [name for name, on in (("--data-path", args.data_path), ("--mock-data", args.mock_data),
+                                     ("--demo-corpus", args.demo_corpus)) if on]
+    if len(sources) > 1:
+        raise ConfigError(f"{' and '.join(sources)} are all set: pick one data source")
+    if args.data_path:
+        return _tokenizer(args).vocab_size
     if args.demo_corpus:
         from megatron.data.demo_corpus import BYTE_VOCAB
 
@@ -25,12 +43,24 @@ def vocab_size(args) -> int:
         if args.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size (the null tokenizer's vocabulary)")
         return args.vocab_size
-    raise ConfigError("no data source: pass --mock-data --vocab-size N or --demo-corpus")
+    raise ConfigError("no data source: pass --data-path PREFIX with --tokenizer-type, --mock-data --vocab-size N, "
+                      "or --demo-corpus")
 
 
 def datasets_provider(args, run, num_samples):
     """(train, valid) datasets; every item is {"text": int64 array of seq_length + 1 tokens}."""
     seq, seed = run.model.seq_length, run.training.seed
+    if args.data_path:
+        import deepspeed.comm as dist
+
+        from megatron.data.gpt_builder import build_train_valid_test_datasets
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        train, valid, _ = build_train_valid_test_datasets(
+            args.data_path, args.split, seq, seed, (num_samples[0], num_samples[1], 0), args.data_cache_path,
+            _tokenizer(args).vocab_size, barrier=dist.barrier if dist.is_initialized() else None,
+            build_on_this_rank=rank == 0, log=lambda m: print(m, flush=True) if rank == 0 else None)
+        return train, valid
     if args.demo_corpus:
         from megatron.data.demo_corpus import ByteWindowDataset
 
@@ -49,6 +79,11 @@ def forward_step(model, batch):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--dry-run" in argv:
+        from tools.show_layout import main as show_layout
+
+        return show_layout([a for a in argv if a != "--dry-run"])
     from megatron.training.pretrain import Providers, pretrain
 
     pretrain(argv, Providers(model_provider, datasets_provider, forward_step, vocab_size))

@@ -99,6 +99,23 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--demo-corpus", action="store_true",
                    help="the embedded default corpus (Python standard-library docstrings, byte tokens)")
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the null/mock tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
+    g.add_argument("--data-cache-path", default=None, help="where sample/shuffle index files are cached")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="GPT2BPETokenizer | HFTokenizer | SentencePieceTokenizer | NullTokenizer")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single")
+    g.add_argument("--num-workers", type=int, default=0)
+    g = p.add_argument_group("layout dry run and placement")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print where every rank lands and the memory per GCD, then exit (no GPU, no process group)")
+    g.add_argument("--world-size", type=int, default=None, help="ranks to plan for in --dry-run")
+    g.add_argument("--nodes", type=int, default=None, help="nodes (8 GCDs each) to plan for in --dry-run")
+    g.add_argument("--allow-tp-across-nodes", action="store_true",
+                   help="warn instead of refusing when a TP group would span nodes")
 
 
 def build_parser(extra=None) -> argparse.ArgumentParser:

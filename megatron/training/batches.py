@@ -2,26 +2,24 @@
 
 Global batch k holds samples [k*GBS, (k+1)*GBS) whatever the layout; within each step of
 ``micro_batch_size * DP`` samples, DP rank d takes a contiguous block of ``micro_batch_size``
-(Megatron's MegatronPretrainingSampler order). So DP=1 and DP=n train on the same global batches.
+(Megatron's MegatronPretrainingSampler order, see megatron/data/samplers.py). So DP=1 and DP=n
+train on the same global batches, and TP peers load the same samples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
-import torch
 from deepspeed.accelerator import get_accelerator
+
+from megatron.data.gpt_builder import build_data_loader
 
 
 def microbatches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 device: str | None = None) -> Iterator[dict]:
+                 device: str | None = None, num_workers: int = 0, dataloader_type: str = "single",
+                 seed: int = 0) -> Iterator[dict]:
     device = device or get_accelerator().current_device_name()
-    n = len(dataset)
-    idx = consumed_samples
-    while True:
-        start = idx + dp_rank * micro_batch_size
-        rows = [dataset[i % n] for i in range(start, start + micro_batch_size)]
-        batch = {k: torch.from_numpy(np.stack([np.asarray(r[k]) for r in rows])) for k in rows[0]}
+    loader = build_data_loader(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers,
+                               dataloader_type, seed)
+    for batch in loader:
         yield {k: v.to(device) for k, v in batch.items()}
-        idx += micro_batch_size * dp_size

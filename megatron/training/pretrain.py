@@ -74,6 +74,11 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     args = parse_args(argv, extra_args)
     ranks = topology.discover_ranks(os.environ)
     run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
+    # Ranks per node come from the launcher (Slurm/torchrun/MPI), never from device_count(): under
+    # Frontier's --gpus-per-task=1 every process sees exactly one device.
+    topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
+                                  ranks_per_node=max(1, ranks.local_world_size),
+                                  allow_tp_across_nodes=args.allow_tp_across_nodes)
     if run.parallel.pp > 1:
         raise ConfigError("--pipeline-model-parallel-size > 1 is not supported yet (issue 3); use 1")
 
