@@ -13,6 +13,12 @@ from megatron.errors import ConfigError, run_cli
 
 
 def model_provider(run, pstate):
+    """GPTModelPipe (DeepSpeed's pipeline engine) when PP > 1, else the plain GPTModel (see gpt_model_pipe.py)."""
+    if run.parallel.pp > 1:
+        from megatron.model.gpt_model_pipe import GPTModelPipe
+
+        return GPTModelPipe(run.model, pstate, sequence_parallel=run.parallel.sequence_parallel,
+                            init_seed=run.training.seed)
     from megatron.model.gpt_model import GPTModel
 
     return GPTModel(run.model, tp=pstate.tp, sequence_parallel=run.parallel.sequence_parallel,

@@ -79,6 +79,11 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
         raise ConfigError(f"{source} sets zero_optimization.stage={zero['stage']} but --zero-stage gives "
                           f"{p.zero_stage}: make them agree or drop one")
     zero["stage"] = p.zero_stage
+    if p.pp > 1 and p.zero_stage >= 2:
+        raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
+                          "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
+                          "--pipeline-model-parallel-size 1")
+    _activation_checkpointing(cfg, run, source)
 
     for name in ("fp16", "bf16"):
         enabled_in_json = bool(cfg.get(name, {}).get("enabled", False))
@@ -100,6 +105,32 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     return cfg
 
 
+def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
+    """Honour DeepSpeed's activation-checkpointing keys through our own RNG-exact recompute.
+
+    ``pipeline.activation_checkpoint_interval`` > 0 means full recompute (our layers checkpoint themselves,
+    so the engine's own interval is zeroed: DeepSpeed's checkpoint would not replay our TP RNG tracker).
+    ``partition_activations`` / ``cpu_checkpointing`` are refused: our checkpoint keeps each layer's input
+    whole on the device, and DeepSpeed's partitioned variant corrupts a residual around the call.
+    """
+    m = run.model
+    interval = int(cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0)
+    if interval > 0:
+        if m.recompute_granularity == "selective":
+            raise ConfigError(f"{source} sets pipeline.activation_checkpoint_interval={interval} (full recompute) "
+                              "but --recompute-granularity is selective: drop one")
+        m.recompute_granularity = "full"
+        cfg["pipeline"]["activation_checkpoint_interval"] = 0
+    ac = cfg.get("activation_checkpointing", {})
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        if ac.get(key):
+            raise ConfigError(f"{source} sets activation_checkpointing.{key}=true, which this trainer does not "
+                              "support: remove it (--recompute-granularity full|selective and "
+                              "--recompute-num-layers control recompute)")
+    if ac.get("number_checkpoints") and m.recompute_num_layers is None and m.recompute_granularity == "full":
+        m.recompute_num_layers = int(ac["number_checkpoints"])
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter)."""
     decay, no_decay = [], []
@@ -119,6 +150,41 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=pstate,
-                                           config=ds_config)
+    pipeline = isinstance(model, deepspeed.PipelineModule)
+    if pipeline and _plain_fp32(run) and ds_config.get("gradient_clipping", 0) > 0:
+        # DeepSpeed's ZeRO-0 clip under a pipeline counts replicated weights on stage 0 only (its "model
+        # parallel rank" spans PP x TP), so clip ourselves, after the DP and tied-weight reductions.
+        ds_config = dict(ds_config, gradient_clipping=0.0)
+        optimizer.register_step_pre_hook(_pipeline_clip_hook(model, pstate, o.clip_grad))
+    # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           mpu=None if pipeline else pstate, config=ds_config)
     return engine
+
+
+def is_pipeline(engine) -> bool:
+    """True for DeepSpeed's pipeline engine (drive it with train_batch / eval_batch)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def _plain_fp32(run: RunConfig) -> bool:
+    return run.parallel.zero_stage == 0 and run.precision.name == "fp32"
+
+
+def _pipeline_clip_hook(model: torch.nn.Module, pstate: ParallelState, max_norm: float):
+    from megatron.training.step import grad_norm
+
+    def hook(optimizer, args, kwargs) -> None:
+        # The tied copy of the word embeddings on the last stage (ds_pipe_replicated) is counted once.
+        params = [p for p in model.parameters() if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        norm = grad_norm(params, pstate)
+        optimizer.megatron_grad_norm = norm
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    return hook

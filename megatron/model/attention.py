@@ -10,6 +10,7 @@ from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import scaled_init_std
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.core.tensor_parallel.recompute import checkpoint
 from megatron.kernels.attention import dot_product_attention
 from megatron.model.rotary import apply_rotary, rotary_cos_sin
 
@@ -63,7 +64,7 @@ class SelfAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d] for the kernel seam.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.selective_recompute and self.training:
-            ctx = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+            ctx = checkpoint(self._core, q, k, v)  # drops the [b, n, s, s] scores/probs
         else:
             ctx = self._core(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, nq/tp * d]

@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from megatron.core.tensor_parallel.recompute import checkpoint
 from megatron.model.embedding import Embedding
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
@@ -40,7 +41,7 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
         for i, layer in enumerate(self.layers):
             if self.training and i < self.checkpointed_layers:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x)  # keeps only the layer input [s, b, h]
             else:
                 x = layer(x)
         x = self.final_layernorm(x)
@@ -71,10 +72,12 @@ class OutputLayer(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.tp)
 
 
-def recompute_layer_count(cfg: ModelConfig) -> int:
+def recompute_layer_count(cfg: ModelConfig, num_layers: int | None = None) -> int:
+    """How many of ``num_layers`` (default: all; a pipeline stage passes its own) get full recompute."""
+    n = cfg.num_layers if num_layers is None else num_layers
     if cfg.recompute_granularity != "full":
         return 0
-    return cfg.num_layers if cfg.recompute_num_layers is None else min(cfg.recompute_num_layers, cfg.num_layers)
+    return n if cfg.recompute_num_layers is None else min(cfg.recompute_num_layers, n)
 
 
 def gather_logits(logits: torch.Tensor, tp: GroupInfo) -> torch.Tensor:

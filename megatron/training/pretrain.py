@@ -25,6 +25,7 @@ from megatron.errors import ConfigError
 from megatron.training.batches import microbatches
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.peak import device_peak_tflops
+from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches, pipe_train_step
 from megatron.training.step import train_step
 
 
@@ -79,17 +80,19 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
                                   ranks_per_node=max(1, ranks.local_world_size),
                                   allow_tp_across_nodes=args.allow_tp_across_nodes)
-    if run.parallel.pp > 1:
-        raise ConfigError("--pipeline-model-parallel-size > 1 is not supported yet (issue 3); use 1")
+    if run.parallel.pp > 1 and args.no_pipeline_parallel:
+        raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {run.parallel.pp}: the plain "
+                          "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
 
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank
     try:
         ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
-        print_rank0(f"> layout: world {run.parallel.world_size} = TP {run.parallel.tp} x PP {run.parallel.pp} x "
-                    f"DP {run.parallel.dp}; ZeRO-{run.parallel.zero_stage}; {run.precision.name}; "
-                    f"sequence parallel {run.parallel.sequence_parallel}\n{pstate.describe()}", rank)
+        if rank == 0:
+            from megatron.training.layout_report import layout_report
+
+            print(layout_report(run, pstate), flush=True)
         model = providers.model(run, pstate)
         n_params = sum(p.numel() for p in model.parameters())
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
@@ -104,6 +107,8 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
 
 
 def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers) -> dict:
+    from megatron.engine import is_pipeline
+
     t = run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
@@ -112,6 +117,9 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     mbs, dp = t.micro_batch_size, pstate.dp
     train_data = microbatches(train_ds, 0, mbs, dp.rank, dp.size)
     gas = t.grad_accumulation_steps(dp.size)
+    pipelined = is_pipeline(engine)
+    if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
+        train_data = pipe_microbatches(train_data)
 
     peak, peak_src = device_peak_tflops(run.precision.name, t.peak_tflops)
     print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)
@@ -120,7 +128,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = 0, 0.0, 0
     for it in range(1, t.train_iters + 1):
-        res = train_step(engine, train_data, gas, providers.forward_step)
+        res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
+                                                                                 providers.forward_step)
         consumed += gbs
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters
@@ -135,7 +144,12 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         logger.iteration(it, loss, res, consumed)
         if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
             valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
-            logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
+            if pipelined:
+                valid = pipe_microbatches(valid)
+                loss = sum(pipe_evaluate_batch(engine, valid) for _ in range(t.eval_iters)) / t.eval_iters
+                logger.validation(it, loss)
+            else:
+                logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)

@@ -1,0 +1,202 @@
+"""GPTModelPipe: GPTModel's layers as a DeepSpeed ``PipelineModule`` for pipeline (and 3D) parallelism.
+
+Stage layout, in order: embedding (a ``TiedLayerSpec`` when the output layer reuses its weight), one
+``LayerSpec`` per transformer layer, the final norm, the output layer (the tied spec again, or its own
+weight), then the vocab-parallel cross entropy as the engine's ``loss_fn``. Between stages flows one
+tensor, the hidden state ``[s(/tp with SP), b, h]``; the first stage takes tokens ``[b, s]`` and the loss
+takes ``(labels [b, s], loss_mask [b, s])``.
+
+Which model PP=1 uses: the plain ``GPTModel`` on DeepSpeed's ordinary engine. At one stage the pipeline
+engine adds nothing but restrictions (ZeRO-0/1 only, no external forward), so ``pretrain_gpt.py`` builds
+GPTModelPipe only when ``--pipeline-model-parallel-size`` > 1; ``--no-pipeline-parallel`` with PP > 1 is
+refused. This class itself also works at PP=1 (tests use that).
+
+The pipeline grid's rank order is DeepSpeed's axes ``['pipe', 'data', 'model']``: rank =
+pipe * (DP * TP) + data * TP + model, exactly ``ParallelState``'s. The constructor checks that the two
+agree group by group, then builds the layers with ``ParallelState``'s own TP group.
+
+Activation recompute: each stage checkpoints its first ``--recompute-num-layers`` transformer layers (all
+of them by default), Megatron's "block" rule, because the first stage holds the most micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.recompute import checkpoint
+from megatron.errors import ConfigError
+from megatron.model.embedding import Embedding
+from megatron.model.gpt_model import OutputLayer, recompute_layer_count
+from megatron.model.norms import Norm
+from megatron.model.transformer import TransformerLayer
+from megatron.perf.memory import layer_parameters
+
+PARTITION_METHODS = ("type:TransformerLayer", "parameters", "uniform")
+
+
+class EmbeddingPipe(Embedding):
+    """tokens [b, s] -> [s(/tp), b, h]. When tied it also owns a weightless output head, so the last
+    stage's copy of this module can project with ``word_embeddings.weight`` (see ``tied_output``)."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, **common) -> None:
+        super().__init__(cfg, padded_vocab_size, **common)
+        self.head = OutputLayer(cfg, padded_vocab_size, **common) if tied_head else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens)
+
+
+def tied_output(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """Last stage: [s(/tp), b, h] -> vocab-parallel logits [b, s, V/tp] with the tied word embeddings."""
+    return module.head(x, None, module.word_embeddings.weight)
+
+
+class TransformerLayerPipe(TransformerLayer):
+    """One transformer layer; ``recompute`` is set per stage after partitioning."""
+
+    recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training:
+            return checkpoint(super().forward, x)  # keeps only x [s, b, h]
+        return super().forward(x)
+
+
+class FinalNormPipe(Norm):
+    pass
+
+
+class OutputLayerPipe(OutputLayer):
+    """Untied output layer: [s(/tp), b, h] -> logits [b, s, V/tp]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, None, None)
+
+
+class LMLoss:
+    """The engine's ``loss_fn``: masked mean of the vocab-parallel cross entropy, fp32 (as gpt_forward_step)."""
+
+    def __init__(self, pstate: ParallelState) -> None:
+        self.tp = pstate.tp
+
+    def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        target, mask = labels
+        losses = vocab_parallel_cross_entropy(logits.float(), target, self.tp)  # [b, s]
+        mask = mask.float()
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def spec_kinds(cfg: ModelConfig) -> list[str]:
+    """Kinds of the spec list, in order: 'embedding', 'layer' x L, 'norm', 'output'."""
+    return ["embedding"] + ["layer"] * cfg.num_layers + ["norm", "output"]
+
+
+def spec_parameters(cfg: ModelConfig, tp: int) -> list[int]:
+    """Parameters per spec on one TP rank (analytic: no layer is built just to be counted)."""
+    h, v = cfg.hidden_size, cfg.padded_vocab_size(tp)
+    emb = v * h // tp + (cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0)
+    norm = 2 * h if cfg.normalization == "layernorm" else h
+    # A tied output layer owns no weight but does the same matmul; weigh it like the untied one.
+    return [emb] + [layer_parameters(cfg, tp)] * cfg.num_layers + [norm, v * h // tp]
+
+
+def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", tp: int = 1) -> list[int]:
+    """Stage boundaries over the spec list: stage i holds specs [parts[i], parts[i+1]).
+
+    'type:TransformerLayer' splits the transformer layers evenly, the remainder going to the first stages
+    (the split megatron/perf/memory.py assumes); the embedding joins stage 0, norm and output the last.
+    'parameters' balances the parameter count; 'uniform' balances the number of specs.
+    """
+    n_specs = cfg.num_layers + 3
+    if method.lower().startswith("type:") and method.split(":", 1)[1].lower() in ("transformerlayer", "transformer"):
+        if cfg.num_layers < pp:
+            raise ConfigError(
+                f"--num-layers {cfg.num_layers} cannot fill --pipeline-model-parallel-size {pp} stages: every stage "
+                f"needs a transformer layer; use --num-layers >= {pp} (a multiple of {pp} balances the stages)")
+        base, extra = divmod(cfg.num_layers, pp)
+        parts = [0, 1 + base + (1 if extra else 0)]
+        for stage in range(1, pp):
+            parts.append(parts[-1] + base + (1 if stage < extra else 0))
+        parts[-1] = n_specs  # norm + output join the last stage
+        return parts
+    if method == "parameters":
+        parts = partition_balanced(spec_parameters(cfg, tp), pp)
+    elif method == "uniform":
+        parts = partition_uniform(n_specs, pp)
+    else:
+        raise ConfigError(f"pipeline partition method {method!r}: choose one of {', '.join(PARTITION_METHODS)}")
+    empty = [s for s in range(pp) if parts[s + 1] <= parts[s]]
+    if empty:
+        raise ConfigError(f"partition {method!r} leaves stage(s) {empty} empty with {n_specs} pipeline layers on "
+                          f"{pp} stages: use fewer stages or more --num-layers")
+    return [int(p) for p in parts]
+
+
+def check_topology(topo: PipeModelDataParallelTopology, pstate: ParallelState) -> None:
+    """DeepSpeed's grid and our groups must list the same ranks, or TP would all-reduce across stages."""
+    for axis, kind in (("model", "tp"), ("data", "dp"), ("pipe", "pp")):
+        theirs = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis)) if topo.get_dim(axis) > 1 else None
+        ours = sorted(sorted(g) for g in pstate.all_groups[kind])
+        if theirs is not None and theirs != ours:
+            raise RuntimeError(f"pipeline topology {axis} groups {theirs} differ from parallel_state {kind} {ours}")
+
+
+class GPTModelPipe(PipelineModule):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
+                 init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
+        self.cfg, self.pstate = cfg, pstate
+        tp = pstate.tp
+        sp = sequence_parallel and tp.size > 1
+        padded = cfg.padded_vocab_size(tp.size)
+        common = {"tp": tp, "sequence_parallel": sp, "init_seed": init_seed}
+        specs: list = []
+        if cfg.tie_embeddings:
+            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True,
+                                       tied_weight_attr=["word_embeddings.weight"], **common))
+        else:
+            specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, **common))
+        specs += [LayerSpec(TransformerLayerPipe, cfg, i, **common) for i in range(cfg.num_layers)]
+        specs.append(LayerSpec(FinalNormPipe, cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
+                               sequence_parallel=sp))
+        if cfg.tie_embeddings:
+            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, forward_fn=tied_output,
+                                       tied_weight_attr=["word_embeddings.weight"], **common))
+        else:
+            specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
+        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size)
+        topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.dp.size)
+        check_topology(topo, pstate)
+        super().__init__(specs, topology=topo, loss_fn=LMLoss(pstate), partition_method=partition_method,
+                         activation_checkpoint_interval=0)
+        layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
+        for i, layer in enumerate(layers):
+            layer.recompute = i < recompute_layer_count(cfg, len(layers))
+
+    def _partition_layers(self, method: str = "type:TransformerLayer") -> None:
+        # Replaces DeepSpeed's: its 'parameters' method builds every layer to count it, and its type-based
+        # split breaks ties arbitrarily; ours is analytic and puts the remainder on the first stages.
+        self.parts = self._megatron_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def stage_contents(cfg: ModelConfig, parts: list[int]) -> list[str]:
+    """Human-readable contents of every stage, e.g. 'embedding, layers 0-3'."""
+    kinds = spec_kinds(cfg)
+    out = []
+    for stage in range(len(parts) - 1):
+        idx = range(parts[stage], parts[stage + 1])
+        layers = [i - 1 for i in idx if kinds[i] == "layer"]
+        items = ["embedding"] if kinds[idx[0]] == "embedding" else []
+        if layers:
+            items.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+        items += [kinds[i] + (" (tied)" if kinds[i] == "output" and cfg.tie_embeddings else "")
+                  for i in idx if kinds[i] in ("norm", "output")]
+        out.append(", ".join(items))
+    return out

@@ -1,0 +1,50 @@
+"""Start-up layout report (rank 0): rank groups, what each pipeline stage holds, its parameters and memory."""
+
+from __future__ import annotations
+
+from megatron.config import RunConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.model.gpt_model_pipe import partition, spec_parameters, stage_contents
+from megatron.perf.layout import Layout
+from megatron.perf.memory import GIB, estimate_stage_memory
+
+
+def run_layout(run: RunConfig) -> Layout:
+    p, t, m = run.parallel, run.training, run.model
+    return Layout(tp=p.tp, pp=p.pp, dp=p.dp, micro_batch_size=t.micro_batch_size,
+                  global_batch_size=t.global_batch_size, zero_stage=p.zero_stage,
+                  sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
+                  flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name)
+
+
+def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str = "type:TransformerLayer") -> str:
+    """Groups, then one line per stage: contents, parameters per GCD (one TP rank) and estimated peak memory.
+
+    The memory column is megatron/perf/memory.py's model (activations for the 1F1B micro-batches in flight,
+    ZeRO-sharded states, the fixed framework overhead); a tied output layer counts its copy of the embedding.
+    """
+    m, p = run.model, run.parallel
+    layout = run_layout(run)
+    parts = partition(m, p.pp, partition_method, p.tp)
+    per_spec = spec_parameters(m, p.tp)
+    tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
+    lines = [f"> layout: world {p.world_size} = TP {p.tp} x PP {p.pp} x DP {p.dp}; ZeRO-{p.zero_stage}; "
+             f"{run.precision.name}; sequence parallel {p.sequence_parallel}; "
+             f"recompute {m.recompute_granularity or 'none'}"
+             f"{'' if m.recompute_num_layers is None else f' ({m.recompute_num_layers} layers per stage)'}; "
+             f"{layout.num_microbatches} micro-batches per step", pstate.describe()]
+    engine = "pipeline engine (GPTModelPipe)" if p.pp > 1 else "plain engine (GPTModel)"
+    lines.append(f"  stages ({engine}, partition {partition_method if p.pp > 1 else 'n/a'}):")
+    for stage, contents in enumerate(stage_contents(m, parts)):
+        params = sum(per_spec[parts[stage]:parts[stage + 1]])
+        if m.tie_embeddings:
+            # The tied output layer has no weight of its own at PP=1, and a copy of the embedding on the last stage.
+            params -= per_spec[-1] if stage == p.pp - 1 else 0
+            params += tied_copy if stage == p.pp - 1 else 0
+        est = estimate_stage_memory(m, layout, stage)
+        ranks = sorted(g[stage] for g in pstate.all_groups["pp"])
+        shown = ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
+        lines.append(f"    stage {stage} (ranks {shown}): {contents} | {params / 1e6:.3f}M params per GCD | "
+                     f"est. memory {est.total / GIB:.2f} GiB (model states {est.model_states / GIB:.2f}, "
+                     f"activations {(est.terms['activations'] + est.terms['logits']) / GIB:.2f})")
+    return "\n".join(lines)

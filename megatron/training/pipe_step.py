@@ -1,0 +1,55 @@
+"""One training / evaluation iteration on DeepSpeed's pipeline engine (``train_batch`` / ``eval_batch``).
+
+The engine pulls micro-batches itself, on first-stage ranks (tokens) and last-stage ranks (labels) only,
+and on every TP rank separately without checking that they agree. ``pipe_microbatches`` therefore derives
+each micro-batch from the sample index alone (our datasets are deterministic per index), so every TP rank
+of a stage loads the same micro-batches, sharded by DP rank exactly as the plain engine's loop does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron.training.step import StepResult
+
+
+def to_pipe_batch(batch: dict) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Megatron's {"text": [b, s+1]} -> (tokens [b, s], (labels [b, s], loss_mask [b, s]))."""
+    text = batch["text"]
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    mask = batch.get("loss_mask")
+    mask = torch.ones_like(labels, dtype=torch.float32) if mask is None else mask.float()
+    return tokens, (labels, mask)
+
+
+def pipe_microbatches(batches: Iterator[dict]) -> Iterator[tuple]:
+    for batch in batches:
+        yield to_pipe_batch(batch)
+
+
+def pipe_train_step(engine, data_iterator: Iterator[tuple]) -> StepResult:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches through the 1F1B schedule.
+
+    ``StepResult.loss`` is this DP rank's mean over its micro-batches (the engine broadcasts it from the
+    last stage to every stage), so the caller's DP mean gives the same lm loss as the plain path.
+    """
+    lr = engine.get_lr()[0]
+    engine.train_batch(data_iter=data_iterator)
+    loss = float(engine.dp_group_loss.item())
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        norm = getattr(engine.optimizer, "megatron_grad_norm", None)
+    if isinstance(norm, torch.Tensor):
+        norm = norm.item()
+    opt = engine.optimizer
+    skipped = bool(getattr(opt, "overflow", False))
+    scale = getattr(opt, "cur_scale", None) if engine.fp16_enabled() else None
+    return StepResult(loss, norm, skipped, lr, scale)
+
+
+def pipe_evaluate_batch(engine, data_iterator: Iterator[tuple]) -> float:
+    """Mean lm loss of one global batch on this DP rank's pipeline (broadcast to every stage)."""
+    out = engine.eval_batch(data_iterator, reduce_output="avg", bcast_loss=True)
+    return float(out.item())
