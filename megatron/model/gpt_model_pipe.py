@@ -178,6 +178,12 @@ class GPTModelPipe(PipelineModule):
         for i, layer in enumerate(layers):
             layer.recompute = i < recompute_layer_count(cfg, len(layers))
 
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed broadcasts the tied weight in place; outside no_grad autograd records the broadcast
+        # (which has no backward) into the weight's graph and warns on every backward.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def _partition_layers(self, method: str = "type:TransformerLayer") -> None:
         # Replaces DeepSpeed's: its 'parameters' method builds every layer to count it, and its type-based
         # split breaks ties arbitrarily; ours is analytic and puts the remainder on the first stages.
