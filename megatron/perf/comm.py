@@ -10,20 +10,31 @@ Counting conventions (what a wrapper around ``torch.distributed`` sees, and what
 
 Which collectives run follows Megatron-LM with the DeepSpeed engine:
 
-* TP, per layer and micro-batch, without sequence parallelism (SP): 2 all-reduces in forward (attention
-  and MLP outputs), 2 in backward (inputs of the column-parallel QKV and FC1). With SP: 2 all-gathers +
-  2 reduce-scatters in forward; in backward their mirrors (2 RS + 2 AG) plus 2 AG re-gathering the
-  column-parallel inputs for the weight gradients (Megatron keeps only the sequence shard): 6 AG + 4 RS per
-  layer. Full recompute replays the forward's collectives. The embedding all-reduces (SP: reduce-scatters) its output in forward;
-  the output layer all-reduces its input gradient in backward (SP: AG forward, RS + AG backward); the
-  vocab-parallel cross entropy does 3 fp32 all-reduces of s x b values.
+* TP follows this repository's layers (megatron/core/tensor_parallel), per layer and micro-batch. Without
+  sequence parallelism (SP): 2 all-reduces in forward (outputs of the row-parallel attention projection
+  and FC2) and 2 in backward (input gradients of the column-parallel QKV and FC1, from copy-to-TP). With
+  SP: the column-parallel layers all-gather their input in forward and keep the gathered input for the
+  weight gradient (no re-gather in backward), then reduce-scatter the input gradient; the row-parallel
+  layers reduce-scatter their output in forward and all-gather its gradient in backward: 4 all-gathers +
+  4 reduce-scatters of ``s x b x h`` per layer. Under SP every replicated parameter used on sequence
+  shards (the two norms' weight and bias, the row-parallel biases) all-reduces its ``h``-element gradient
+  over TP inside autograd, every micro-batch. Full recompute replays the forward's collectives.
+  The embedding all-reduces its output in forward (SP: then splits the sequence, so its backward
+  all-gathers the gradient); the output layer all-reduces its input gradient in backward (SP: all-gather
+  forward, reduce-scatter backward; final-norm gradients all-reduced); the vocab-parallel cross entropy
+  does one fp32 all-reduce (MAX) of ``b x s`` and one fp32 all-reduce of ``2 x b x s``.
+  Scalar bookkeeping (grad norm, loss averaging) is not modelled.
 * PP: per micro-batch one activation send forward (all but the last stage) and one gradient send backward
   (all but the first), ``s x b x h`` (/t with SP), from every TP rank. With tied embeddings and PP > 1 the
   first and last stages all-reduce the word-embedding gradient once per step.
-* DP over the local parameter shard P: ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters
-  gradients and all-gathers the updated weights once per step; ZeRO-2 reduce-scatters every micro-batch;
-  ZeRO-3 all-gathers weights in forward and again in backward (over the hpZ group with ZeRO++ hpZ) and
-  reduce-scatters gradients, every micro-batch.
+* DP over the local parameter shard P, as DeepSpeed 0.19.8 does it (counted in gloo runs,
+  tests/distributed/test_perf_model_measured.py): ZeRO-0 all-reduces gradients once per step. ZeRO-1 and
+  ZeRO-2 *all-reduce* the gradient buckets and keep their slice (``use_multi_rank_bucket_allreduce``, on by
+  default), not a reduce-scatter: ZeRO-1 once per step, ZeRO-2 every micro-batch; both all-gather the
+  updated weights once per step. ZeRO-3 all-gathers weights in forward and reduce-scatters gradients every
+  micro-batch; in backward it re-gathers only the parameters it released, i.e. those whose next use lies
+  more than ``stage3_max_reuse_distance`` parameters ahead (``zero3_kept_parameters``; over the hpZ group
+  with ZeRO++ hpZ). A stage under 0.5e9 parameters per GCD is gathered once per micro-batch.
 
 Rank order is Megatron's (TP innermost, then DP, then PP) with 8 GCDs per node and 2 per MI250X package
 (``megatron.topology``); a group's tier is the slowest link it crosses.
@@ -37,7 +48,7 @@ from functools import lru_cache
 
 from megatron.config import ModelConfig
 from megatron.perf.layout import Layout
-from megatron.perf.memory import stage_parameters
+from megatron.perf.memory import ZERO3_MAX_REUSE_DISTANCE, stage_parameters, zero3_kept_parameters
 from megatron.topology import GCDS_PER_NODE, TIERS
 
 GB = 1e9
@@ -149,12 +160,18 @@ def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0) -> int
     return (stage * layout.dp + dp_rank) * layout.tp + tp_rank
 
 
-def _sp_volumes(fwd_ar: int, bwd_ar: int, regather: int) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) that replace ``fwd_ar`` + ``bwd_ar`` all-reduces under SP."""
-    return fwd_ar + bwd_ar + regather, fwd_ar + bwd_ar
+def _norm_tensors(model: ModelConfig) -> int:
+    """Parameters of one norm, each ``h`` elements (LayerNorm: weight and bias; RMSNorm: weight)."""
+    return 2 if model.normalization == "layernorm" else 1
 
 
-def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0) -> CommEstimate:
+def _sp_replicated_params(model: ModelConfig) -> int:
+    """Gradient all-reduces per layer under SP, each of ``h`` elements: norm weights/biases, row-parallel biases."""
+    return 2 * _norm_tensors(model) + (2 if model.add_bias_linear else 0)
+
+
+def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
+                  zero3_reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> CommEstimate:
     """Collectives of one step on TP rank 0, DP rank 0 of pipeline ``stage``."""
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     a = layout.dtype_bytes
@@ -164,7 +181,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0) -> CommEst
     out: list[Collective] = []
 
     def add(group: str, op: str, phase: str, calls: int, payload: float, ranks: list[int], conc: int = 1) -> None:
-        if calls <= 0 or len(ranks) < 2:
+        if calls <= 0 or payload <= 0 or len(ranks) < 2:
             return
         tier, on_node = _group_geometry(tuple(ranks), me)
         if op == "send":
@@ -174,24 +191,27 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0) -> CommEst
     if t > 1:
         tp_ranks = [_rank(layout, stage, 0, i) for i in range(t)]
         n_layers = layout.stage_layers(model.num_layers)[stage]
-        fwd_per_layer = 2 * (2 if layout.recompute_granularity == "full" else 1)
-        if layout.sequence_parallel:
-            ag, rs = _sp_volumes(fwd_per_layer, 2, 2)
-            add("tp", "all_gather", "layers", m * n_layers * ag, act, tp_ranks)
-            add("tp", "reduce_scatter", "layers", m * n_layers * rs, act, tp_ranks)
+        fwd_passes = 2 if layout.recompute_granularity == "full" else 1
+        sp = layout.sequence_parallel
+        if sp:
+            add("tp", "all_gather", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
+            add("tp", "reduce_scatter", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
+            add("tp", "all_reduce", "sp param grads", m * n_layers * _sp_replicated_params(model), h * a, tp_ranks)
         else:
-            add("tp", "all_reduce", "layers", m * n_layers * (fwd_per_layer + 2), act, tp_ranks)
+            add("tp", "all_reduce", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
         if stage == 0:
-            add("tp", "reduce_scatter" if layout.sequence_parallel else "all_reduce", "embedding", m, act, tp_ranks)
-            if layout.sequence_parallel:
+            add("tp", "all_reduce", "embedding", m, act, tp_ranks)
+            if sp:
                 add("tp", "all_gather", "embedding", m, act, tp_ranks)
         if stage == layout.pp - 1:
-            if layout.sequence_parallel:
-                add("tp", "all_gather", "output layer", 2 * m, act, tp_ranks)
+            if sp:
+                add("tp", "all_gather", "output layer", m, act, tp_ranks)
                 add("tp", "reduce_scatter", "output layer", m, act, tp_ranks)
+                add("tp", "all_reduce", "final norm grads", m * _norm_tensors(model), h * a, tp_ranks)
             else:
                 add("tp", "all_reduce", "output layer", m, act, tp_ranks)
-            add("tp", "all_reduce", "cross entropy", 3 * m, 4 * s * b, tp_ranks)
+            add("tp", "all_reduce", "cross entropy max", m, 4 * s * b, tp_ranks)
+            add("tp", "all_reduce", "cross entropy sum", m, 8 * s * b, tp_ranks)
 
     stage_gcds = min(GCDS_PER_NODE, t * layout.dp)
     if layout.pp > 1:
@@ -212,15 +232,13 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0) -> CommEst
         z = layout.zero_stage
         if z == 0:
             add("dp", "all_reduce", "grads", 1, g, dp_ranks)
-        elif z == 1:
-            add("dp", "reduce_scatter", "grads", 1, g, dp_ranks)
-            add("dp", "all_gather", "weights", 1, w, dp_ranks)
-        elif z == 2:
-            add("dp", "reduce_scatter", "grads", m, g, dp_ranks)
+        elif z in (1, 2):
+            add("dp", "all_reduce", "grads", 1 if z == 1 else m, g, dp_ranks)
             add("dp", "all_gather", "weights", 1, w, dp_ranks)
         else:
             add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
             k = layout.zero_hierarchy or layout.dp
-            add("dp", "all_gather", "weights bwd", m, w, dp_ranks[:k])
+            released = p - zero3_kept_parameters(p, zero3_reuse_distance)
+            add("dp", "all_gather", "weights bwd", m, released * a, dp_ranks[:k])
             add("dp", "reduce_scatter", "grads", m, g, dp_ranks)
     return CommEstimate(stage=stage, collectives=out)

@@ -4,9 +4,12 @@ Conventions (all numbers are bytes on one GCD):
 
 * Model states follow the ZeRO paper (Rajbhandari et al. 2020) for mixed-precision Adam: 2 bytes of 16-bit
   weights, 2 bytes of 16-bit gradients and 12 bytes of optimizer state (fp32 master copy + Adam m + v) per
-  parameter; for fp32 training 4 + 4 + 8 (no master copy). ZeRO-1 shards the optimizer states over DP,
-  ZeRO-2 also the gradients, ZeRO-3 also the weights; ZeRO-3 additionally holds the gathered full weights of
-  two layers (the one computing and the one prefetched), and hpZ a second weight shard over its group.
+  parameter; for fp32 training 4 + 4 + 8, plus a 4-byte fp32 copy of the local partition with ZeRO >= 1
+  (DeepSpeed's ZeRO optimizers keep one even when the weights are fp32). ZeRO-1 shards the optimizer states
+  over DP, ZeRO-2 also the gradients, ZeRO-3 also the weights. ZeRO-3 also holds gathered full weights:
+  DeepSpeed keeps a gathered parameter until backward when its reuse lies within ``stage3_max_reuse_distance``
+  (1e9) parameters, so the last 0.5e9 parameters of the stage stay gathered, plus the layer computing and the
+  one prefetched (``zero3_kept_parameters``); hpZ adds a second weight shard over its group.
 * Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", Section 4, generalised to GQA / SwiGLU / any FFN width. Per layer and micro-batch, with
   16-bit activations and 1-byte dropout masks, for GPT-2 shapes (kv = h, ffn = 4h) this reduces to their
@@ -33,6 +36,9 @@ GCD_MEMORY_BYTES = 64 * GIB
 """HBM of one MI250X GCD."""
 FRAMEWORK_OVERHEAD_BYTES = 3 * GIB
 """ROCm context + RCCL/DeepSpeed buffers + caching-allocator slack; an assumption, not a measurement."""
+
+ZERO3_MAX_REUSE_DISTANCE = 1e9
+"""DeepSpeed's default ``stage3_max_reuse_distance`` (parameters)."""
 
 TERMS = ("weights", "gradients", "optimizer_states", "zero3_gathered", "activations", "embedding_activations",
          "logits", "framework_overhead")
@@ -112,6 +118,13 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
     return outside + inside + scores
 
 
+def zero3_kept_parameters(stage_params: float, reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
+    """Gathered parameters ZeRO-3 keeps from forward to backward: a layer's next use comes after every later
+    layer's forward and backward (about twice the parameters after it), so the last ``reuse_distance / 2``
+    parameters of the stage are kept."""
+    return min(stage_params, reuse_distance / 2)
+
+
 def _in_flight(layout: Layout, stage: int) -> int:
     return min(layout.pp - stage, layout.num_microbatches)
 
@@ -127,9 +140,12 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     terms = dict.fromkeys(TERMS, 0.0)
     terms["weights"] = params * a / (dp if z >= 3 else 1)
     terms["gradients"] = params * a / (dp if z >= 2 else 1)
-    terms["optimizer_states"] = params * (12 if mixed else 8) / (dp if z >= 1 else 1)
+    # fp32: Adam m + v, and DeepSpeed's fp32 partition copy once ZeRO partitions the optimizer.
+    state_bytes = 12 if (mixed or z >= 1) else 8
+    terms["optimizer_states"] = params * state_bytes / (dp if z >= 1 else 1)
     if z == 3:
-        terms["zero3_gathered"] = 2 * layer_parameters(model, t) * a
+        kept = zero3_kept_parameters(params, ZERO3_MAX_REUSE_DISTANCE)
+        terms["zero3_gathered"] = min(params, kept + 2 * layer_parameters(model, t)) * a
         if layout.zero_hierarchy:
             terms["zero3_gathered"] += params * a / layout.zero_hierarchy
 

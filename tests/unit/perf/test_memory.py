@@ -50,7 +50,15 @@ def test_zero_stages_shard_states_over_dp(zero, w, g, o):
     assert t["weights"] == pytest.approx(w * TOTAL)
     assert t["gradients"] == pytest.approx(g * TOTAL)
     assert t["optimizer_states"] == pytest.approx(o * TOTAL)
-    assert t["zero3_gathered"] == (2 * LAYER * 2 if zero == 3 else 0)
+    # A small stage is far under DeepSpeed's reuse distance: ZeRO-3 keeps all of it gathered through backward.
+    assert t["zero3_gathered"] == (2 * TOTAL if zero == 3 else 0)
+
+
+def test_zero3_keeps_half_the_reuse_distance_gathered_on_big_stages():
+    m = named_model("gpt-175b")
+    lay = layout(tp=8, dp=128, global_batch_size=1024, zero_stage=3)
+    t = estimate_memory(m, lay, overhead_bytes=0).terms
+    assert t["zero3_gathered"] == pytest.approx((0.5e9 + 2 * layer_parameters(m, 8)) * 2)
 
 
 def test_fp32_states_and_overhead():
@@ -59,6 +67,9 @@ def test_fp32_states_and_overhead():
     assert (est.terms["weights"], est.terms["gradients"], est.terms["optimizer_states"]) == (4 * TOTAL, 4 * TOTAL,
                                                                                             8 * TOTAL)
     assert est.terms["framework_overhead"] == 123
+    # DeepSpeed's ZeRO optimizers keep an fp32 copy of the partition even for fp32 weights: 12 bytes / DP.
+    z1 = estimate_memory(m, layout(dtype="fp32", zero_stage=1), overhead_bytes=0)
+    assert z1.terms["optimizer_states"] == pytest.approx(12 * TOTAL / 4)
     assert est.total == pytest.approx(sum(est.terms.values()))
 
 
