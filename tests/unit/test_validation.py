@@ -1,0 +1,85 @@
+"""Every user-caused configuration error gives one line that names the flags, and exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from megatron.errors import run_cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3",
+        "--mock-data", "--vocab-size", "128"]
+
+
+def _with(flag: str, value: str | None = None) -> list[str]:
+    """BASE with ``flag`` replaced (or appended)."""
+    argv = list(BASE)
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return argv + [flag] + ([value] if value is not None else [])
+
+
+def _run(argv, monkeypatch, capsys, world_size=1):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    rc = run_cli(pretrain_gpt.main, argv)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+@pytest.mark.parametrize("argv, world, needles", [
+    (_with("--tensor-model-parallel-size", "2"), 3, ["world size 3", "--tensor-model-parallel-size 2"]),
+    (_with("--tensor-model-parallel-size", "3"), 3, ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
+    (_with("--num-key-value-heads", "3"), 1, ["--num-key-value-heads 3", "--num-attention-heads 4"]),
+    (_with("--hidden-size", "66"), 1, ["--hidden-size 66", "--num-attention-heads 4"]),
+    (_with("--global-batch-size", "6"), 2, ["--global-batch-size 6", "--micro-batch-size 2", "4"]),
+    (_with("--max-position-embeddings", "16"), 1, ["--seq-length 32", "--max-position-embeddings 16"]),
+    (BASE + ["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
+    (_with("--deepspeed_config", "/nonexistent/ds.json"), 1, ["--deepspeed_config /nonexistent/ds.json",
+                                                              "not found"]),
+    (_with("--train-iters", None)[:-1], 1, ["--train-iters"]),
+])
+def test_config_errors_are_one_line(argv, world, needles, monkeypatch, capsys):
+    rc, err = _run(argv, monkeypatch, capsys, world)
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    for n in needles:
+        assert n in err, f"{n!r} missing from {err!r}"
+
+
+def test_ds_config_batch_disagreement_names_both_values(tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}))
+    rc, err = _run(_with("--deepspeed_config", str(cfg)), monkeypatch, capsys)
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "train_batch_size=16" in err and "--global-batch-size gives 8" in err
+
+
+def test_ds_config_invalid_json(tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_batch_size": 8,,}')
+    rc, err = _run(_with("--deepspeed_config", str(cfg)), monkeypatch, capsys)
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert str(cfg) in err and "not valid JSON" in err and "line 1" in err
+
+
+def test_cli_prints_no_traceback():
+    """The real entry point: one stderr line (besides library warnings), exit 2."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *BASE, "--fp16", "--bf16"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--fp16" in errors[0]
