@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test command (README "Quick start"; .ci/run calls exactly this). Sets up .venv/ if needed, checks
+# that every HIP kernel compiles for gfx90a, then runs the whole pytest suite.
+# Extra arguments go to pytest (e.g. `bash tests/run.sh -k zero`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=tools/setup_venv.sh
+source tools/setup_venv.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
+  bash csrc/check_hip_compile.sh
+fi
+
+set +e
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  # pytest's "no tests collected": a suite that ran nothing must not pass.
+  echo "error: pytest collected no tests (exit code 5); check the test paths and -k/-m filters" >&2
+  exit 1
+fi
+exit "$rc"
