@@ -2,7 +2,8 @@
 
 PP=4 and PP=2 x DP=2 for GPT-2 and Llama variants with tied and untied embeddings (fp32, <= 1e-5), under
 ZeRO-0 (our clipping hook) and ZeRO-1 (DeepSpeed's clipping); then TP=2 x PP=2 x DP=2 with ZeRO-1 on
-8 processes (<= 1e-4). Clipping is active throughout, so a wrong grad norm would show.
+8 processes (<= 1e-4); two runs also recompute activations inside the stages. Clipping is active
+throughout, so a wrong grad norm would show.
 """
 
 import pytest
@@ -19,14 +20,14 @@ VARIANTS = {  # name -> (named model, untie)
 }
 
 
-def _run_config(variant, world, tp, pp, zero):
+def _run_config(variant, world, tp, pp, zero, recompute=None):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
     from megatron.model.sizes import named_model
 
     name, untie = VARIANTS[variant]
     model = named_model(name, num_layers=4, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                         seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
-                        untie_embeddings_and_output_weights=untie)
+                        untie_embeddings_and_output_weights=untie, recompute_granularity=recompute)
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -68,7 +69,7 @@ def reference_losses(variant):
     return losses
 
 
-def _train_pipe(variant, tp, pp, zero):
+def _train_pipe(variant, tp, pp, zero, recompute=None):
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -78,7 +79,7 @@ def _train_pipe(variant, tp, pp, zero):
     from megatron.training.batches import microbatches
     from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 
-    run = _run_config(variant, dist.get_world_size(), tp, pp, zero)
+    run = _run_config(variant, dist.get_world_size(), tp, pp, zero, recompute)
     state = ParallelState.build(tp, pp)
     model = GPTModelPipe(run.model, state, init_seed=run.training.seed)
     engine = initialize_engine(model, run, state, build_ds_config(run))
@@ -114,14 +115,16 @@ def _check(results, refs, tol):
 
 @pytest.mark.timeout(600)
 def test_pp4_and_pp2_dp2_match_single_process():
-    # (variant, tp, pp, zero): every variant at PP=4 and at PP=2 x DP=2, ZeRO-0 and ZeRO-1 alternating.
+    # (variant, tp, pp, zero[, recompute]): every variant at PP=4 and at PP=2 x DP=2, ZeRO-0 and ZeRO-1
+    # alternating; plus one run with full activation recompute inside the pipeline stages.
     runs = [(v, 1, pp, (i + j) % 2) for i, v in enumerate(VARIANTS) for j, pp in enumerate((4, 2))]
+    runs.append(("llama-tied", 1, 2, 1, "full"))
     refs = {v: reference_losses(v) for v in VARIANTS}
     _check(run_distributed(_worker, world_size=4, runs=runs), refs, tol=1e-5)
 
 
 @pytest.mark.timeout(600)
 def test_tp2_pp2_dp2_zero1_matches_single_process():
-    runs = [("gpt2-tied", 2, 2, 1), ("llama-untied", 2, 2, 1)]
+    runs = [("gpt2-tied", 2, 2, 1), ("llama-untied", 2, 2, 1, "selective")]
     refs = {v: reference_losses(v) for v, *_ in runs}
     _check(run_distributed(_worker, world_size=8, runs=runs), refs, tol=1e-4)
