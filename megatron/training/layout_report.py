@@ -17,6 +17,10 @@ def run_layout(run: RunConfig) -> Layout:
                   flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
 def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str = "type:TransformerLayer") -> str:
     """Groups, then one line per stage: contents, parameters per GCD (one TP rank) and estimated peak memory.
 
@@ -45,6 +49,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
         ranks = sorted(g[stage] for g in pstate.all_groups["pp"])
         shown = ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
         lines.append(f"    stage {stage} (ranks {shown}): {contents} | {params / 1e6:.3f}M params per GCD | "
-                     f"est. memory {est.total / GIB:.2f} GiB (model states {est.model_states / GIB:.2f}, "
-                     f"activations {(est.terms['activations'] + est.terms['logits']) / GIB:.2f})")
+                     f"est. memory {_size(est.total)} (model states {_size(est.model_states)}, "
+                     f"activations {_size(est.terms['activations'] + est.terms['logits'])}, framework "
+                     f"{_size(est.terms['framework_overhead'])})")
     return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Pipeline partitioning, DeepSpeed's grid rank order vs parallel_state, refusals and the start-up report
+(no processes: everything here is pure)."""
+
+import json
+
+import pytest
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups
+from megatron.engine import build_ds_config
+from megatron.errors import ConfigError
+from megatron.model.gpt_model_pipe import check_topology, partition, spec_kinds, stage_contents
+from megatron.model.sizes import named_model
+from megatron.training.layout_report import layout_report
+
+
+def _state(world, tp, pp, rank=0) -> ParallelState:
+    groups = layout_groups(world, tp, pp)
+    mine = {k: next(GroupInfo(g, g.index(rank)) for g in lists if rank in g) for k, lists in groups.items()}
+    return ParallelState(world, rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups)
+
+
+def _run(world=8, tp=2, pp=2, zero=1, layers=4, **model):
+    return RunConfig(model=named_model("debug", num_layers=layers, **model),
+                     parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp, zero_stage=zero),
+                     optimizer=OptimizerConfig(lr=1e-3),
+                     training=TrainingConfig(micro_batch_size=1, global_batch_size=8)).validate()
+
+
+def test_even_split_by_transformer_layers():
+    cfg = named_model("debug", num_layers=8)
+    parts = partition(cfg, 4)
+    assert parts == [0, 3, 5, 7, 11]  # embedding + 2 layers | 2 | 2 | 2 + norm + output
+    assert stage_contents(cfg, parts) == ["embedding, layers 0-1", "layers 2-3", "layers 4-5",
+                                          "layers 6-7, norm, output (tied)"]
+
+
+def test_uneven_split_gives_the_remainder_to_the_first_stages():
+    cfg = named_model("debug", num_layers=6, untie_embeddings_and_output_weights=True)
+    contents = stage_contents(cfg, partition(cfg, 4))
+    assert contents == ["embedding, layers 0-1", "layers 2-3", "layer 4", "layer 5, norm, output"]
+
+
+def test_too_few_layers_is_refused_with_the_counts_that_work():
+    with pytest.raises(ConfigError, match=r"--num-layers 3 .* 4 stages.*--num-layers >= 4.*multiple of 4"):
+        partition(named_model("debug", num_layers=3), 4)
+
+
+def test_parameter_partition_balances_and_keeps_every_stage():
+    cfg = named_model("gpt2-small", num_layers=12)
+    parts = partition(cfg, 4, "parameters")
+    assert parts[0] == 0 and parts[-1] == len(spec_kinds(cfg)) and all(b > a for a, b in zip(parts, parts[1:]))
+    layers = [sum(1 for k in spec_kinds(cfg)[a:b] if k == "layer") for a, b in zip(parts, parts[1:])]
+    # The 38M-parameter embedding and output layer each weigh several 7M-parameter layers.
+    assert layers[0] < 3 and layers[-1] < 3 and sum(layers) == 12
+    with pytest.raises(ConfigError, match="choose one of"):
+        partition(cfg, 4, "profile")
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 2, 1), (2, 1, 4)])
+def test_deepspeed_grid_rank_order_matches_parallel_state(tp, pp, dp):
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    check_topology(topo, _state(tp * pp * dp, tp, pp))
+    assert topo.get_axis_names() == ["pipe", "data", "model"]
+    assert topo.get_rank(pipe=pp - 1, data=dp - 1, model=tp - 1) == tp * pp * dp - 1
+
+
+def test_zero2_with_pipeline_is_refused_with_the_alternatives():
+    with pytest.raises(ConfigError, match="--zero-stage 1.*--no-pipeline-parallel"):
+        build_ds_config(_run(zero=2))
+    assert build_ds_config(_run(pp=1, zero=2))["zero_optimization"]["stage"] == 2
+
+
+def test_deepspeed_activation_checkpointing_keys(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"pipeline": {"activation_checkpoint_interval": 1},
+                                "activation_checkpointing": {"number_checkpoints": 2}}))
+    run = _run()
+    cfg = build_ds_config(run, str(path))
+    assert run.model.recompute_granularity == "full" and run.model.recompute_num_layers == 2
+    assert cfg["pipeline"]["activation_checkpoint_interval"] == 0  # our layers checkpoint themselves
+    path.write_text(json.dumps({"activation_checkpointing": {"partition_activations": True}}))
+    with pytest.raises(ConfigError, match="partition_activations.*--recompute-granularity"):
+        build_ds_config(_run(), str(path))
+
+
+def test_layout_report_lists_groups_stages_params_and_memory():
+    text = layout_report(_run(layers=4), _state(8, 2, 2))
+    assert "TP groups (4 of size 2): [0, 1] [2, 3] [4, 5] [6, 7]" in text
+    assert "PP groups (4 of size 2): [0, 4] [1, 5] [2, 6] [3, 7]" in text
+    assert "DP groups (4 of size 2): [0, 2] [1, 3] [4, 6] [5, 7]" in text
+    assert "stage 0 (ranks 0,1,2,3): embedding, layers 0-1 |" in text
+    assert "stage 1 (ranks 4,5,6,7): layers 2-3, norm, output (tied) |" in text
+    assert text.count("params per GCD") == 2 and text.count("est. memory") == 2
