@@ -46,10 +46,10 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
             params -= per_spec[-1] if stage == p.pp - 1 else 0
             params += tied_copy if stage == p.pp - 1 else 0
         est = estimate_stage_memory(m, layout, stage)
+        acts = est.terms["activations"] + est.terms["embedding_activations"] + est.terms["logits"]
         ranks = sorted(g[stage] for g in pstate.all_groups["pp"])
         shown = ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
         lines.append(f"    stage {stage} (ranks {shown}): {contents} | {params / 1e6:.3f}M params per GCD | "
                      f"est. memory {_size(est.total)} (model states {_size(est.model_states)}, "
-                     f"activations {_size(est.terms['activations'] + est.terms['logits'])}, framework "
-                     f"{_size(est.terms['framework_overhead'])})")
+                     f"activations {_size(acts)}, buffers and framework {_size(est.total - est.model_states - acts)})")
     return "\n".join(lines)
