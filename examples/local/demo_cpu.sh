@@ -3,16 +3,16 @@
 # on the embedded default corpus (Python standard-library docstrings), through the full Megatron data
 # pipeline: jsonl -> locally trained byte-level BPE -> preprocess_data.py (.bin/.idx) -> pretrain_gpt.py.
 #
-# Environment (all optional): PYTHON (default .venv/bin/python), OUT (default build/demo),
-# TRAIN_ITERS (300), NPROC (2), EXTRA_ARGS (appended to pretrain_gpt.py's flags).
+# Environment (all optional): OUT (default build/demo),
+# TRAIN_ITERS (400), NPROC (2), EXTRA_ARGS (appended to pretrain_gpt.py's flags).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PYTHON=${PYTHON:-.venv/bin/python}
+# shellcheck source=../../tools/setup_venv.sh
+source tools/setup_venv.sh  # creates or reuses .venv/, sets PYTHON and TORCH_EXTENSIONS_DIR
 OUT=${OUT:-build/demo}
-TRAIN_ITERS=${TRAIN_ITERS:-300}
+TRAIN_ITERS=${TRAIN_ITERS:-400}
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 mkdir -p "$OUT"
 
 if [ ! -f "$OUT/corpus.jsonl" ]; then
@@ -33,7 +33,7 @@ rm -rf "$OUT/tensorboard"
   --tensor-model-parallel-size 2 --sequence-parallel \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
   --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
-  --lr 4e-3 --min-lr 4e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 \
+  --lr 2.5e-3 --min-lr 2.5e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 \
   --hidden-dropout 0 --attention-dropout 0 \
   --data-path "$OUT/demo_text_document" --split 98,2,0 --data-cache-path "$OUT/index-cache" "${TOK[@]}" \
   --log-interval 5 --eval-interval 100 --eval-iters 5 --zero-stage 1 \
