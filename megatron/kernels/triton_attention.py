@@ -17,6 +17,7 @@ import triton.language as tl
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def _interpreting() -> bool:
@@ -35,19 +36,10 @@ def _blocks() -> tuple[int, int]:
 
 
 @triton.jit
-def _mm(a, b, UPCAST: tl.constexpr):
-    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (a documented limitation); bf16 values
-    # are exact in fp32, so upcasting there computes what the GPU's bf16 x bf16 -> fp32 dot computes.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                 heads_q, group, seqlen, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+                CAUSAL: tl.constexpr, DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads_q
@@ -60,7 +52,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, so
     mask_d = offs_d < HEAD_DIM
 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(DOT)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
 
@@ -74,8 +66,8 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, so
         cols = start_n + offs_n
         mask_n = cols < seqlen
         kt = tl.load(k_base + cols[None, :] * sks + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
-                     other=0.0)  # (d, n)
-        s = _mm(q, kt, UPCAST) * scale_log2  # (m, n), log2 units
+                     other=0.0).to(DOT)  # (d, n)
+        s = tl.dot(q, kt, input_precision="ieee") * scale_log2  # (m, n), log2 units
         visible = mask_n[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None])
@@ -87,9 +79,9 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, so
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                    other=0.0)  # (n, d)
+                    other=0.0).to(DOT)  # (n, d)
         # P is rounded to the input dtype for the tensor-core/MFMA product, as FlashAttention-2 does.
-        acc = acc * alpha[:, None] + _mm(p.to(V.dtype.element_ty), v, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty).to(DOT), v, input_precision="ieee")
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -103,7 +95,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, so
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                      heads_q, group, seqlen, scale, scale_log2,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+                     CAUSAL: tl.constexpr, DOT: tl.constexpr):
     # q, o, dO, dq share strides (sq*); k, dk share sk*; v, dv share sv* (the wrapper makes them so).
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -116,8 +108,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, s
     mask_n = offs_n < seqlen
     mask_d = offs_d < HEAD_DIM
     mask_nd = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0).to(DOT)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0).to(DOT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -133,19 +125,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, s
             offs_m = start_m + offs_m0
             mask_m = offs_m < seqlen
             mask_md = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+            q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
+            do = tl.load(do_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
             lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
-            st = _mm(k, tl.trans(q), UPCAST) * scale_log2  # (n, m): transposed scores
+            st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale_log2  # (n, m): transposed scores
             visible = mask_n[:, None] & mask_m[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
             pt = tl.where(visible, tl.math.exp2(st - lse[None, :]), 0.0)
-            dv += _mm(pt.to(DO.dtype.element_ty), do, UPCAST)
-            dpt = _mm(v, tl.trans(do), UPCAST)
+            dv += tl.dot(pt.to(DO.dtype.element_ty).to(DOT), do, input_precision="ieee")
+            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
             dst = pt * (dpt - delta[None, :])
-            dk += _mm(dst.to(Q.dtype.element_ty), q, UPCAST)
+            dk += tl.dot(dst.to(Q.dtype.element_ty).to(DOT), q, input_precision="ieee")
 
     tl.store(DK + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=mask_nd)
@@ -157,7 +149,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, s
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                    heads_q, group, seqlen, scale, scale_log2,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+                   CAUSAL: tl.constexpr, DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads_q
@@ -169,8 +161,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, sv
     mask_m = offs_m < seqlen
     mask_d = offs_d < HEAD_DIM
     mask_md = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
-    do = tl.load(DO + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
+    do = tl.load(DO + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
     lse = tl.load(LSE + bh * seqlen + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * seqlen + offs_m, mask=mask_m, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -184,16 +176,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, sv
         offs_n = start_n + offs_n0
         mask_n = offs_n < seqlen
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = _mm(q, tl.trans(k), UPCAST) * scale_log2
+        k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=mask_nd, other=0.0).to(DOT)
+        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=mask_nd, other=0.0).to(DOT)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         visible = mask_m[:, None] & mask_n[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
         p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), UPCAST)
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(K.dtype.element_ty), k, UPCAST)
+        dq += tl.dot(ds.to(K.dtype.element_ty).to(DOT), k, input_precision="ieee")
 
     tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=mask_md)
@@ -221,8 +213,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def _meta(q: torch.Tensor) -> dict:
     bm, bn = _blocks()
+    # Operand dtype of every tl.dot: the input dtype (the cast is then a no-op), except that Triton's
+    # interpreter multiplies bf16 bit patterns in tl.dot (a documented limitation); bf16 values are exact
+    # in fp32, so there fp32 operands compute what the GPU's bf16 x bf16 -> fp32 dot computes.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
     return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])), "BLOCK_M": bm,
-            "BLOCK_N": bn, "UPCAST": _interpreting() and q.dtype == torch.bfloat16}
+            "BLOCK_N": bn, "DOT": tl.float32 if upcast else _TL_DTYPES[q.dtype]}
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

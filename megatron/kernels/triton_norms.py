@@ -27,62 +27,77 @@ def _num_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
+def _rows_per_tile(block: int) -> int:
+    # Under the interpreter every tile costs Python overhead: take many rows at once. On a GPU, narrow
+    # rows are packed so a program still moves ~4K elements; wide rows go one per program.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 16
+    return max(1, min(16, 4096 // block))
+
+
 @triton.jit
-def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_cols, eps,
-                     BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    row = tl.program_id(0)
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols, eps,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # A tile of ROWS whole rows per program: (ROWS, BLOCK), reductions along the row (axis 1).
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if RMS:
         xc = x
     else:
-        mean = tl.sum(x, 0) / n_cols
-        # Two-pass variance on the row held in registers: no sum(x^2) - n mean^2 cancellation.
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(MEAN + row, mean)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
-    y = xc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, 1) / n_cols
+        # Two-pass variance on rows held in registers: no sum(x^2) - n mean^2 cancellation.
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    y = xc * rstd[:, None] * tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y += tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx,
                      n_rows, n_cols, rows_per_prog,
-                     BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # Each program owns a strip of rows: it writes their dx and one partial row of dgamma/dbeta.
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Each program owns a strip of rows_per_prog rows, walked ROWS at a time: it writes their dx and one
+    # partial row of dgamma/dbeta (stage 1 of the row reduction; the wrapper sums the partials).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
-    for row in range(row_start, row_end):
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         if RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd, 0.0)
         wdy = w * dy
-        c1 = tl.sum(xhat * wdy, 0) / n_cols
+        c1 = (tl.sum(xhat * wdy, 1) / n_cols)[:, None]
         if RMS:
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, 0) / n_cols
+            c2 = (tl.sum(wdy, 1) / n_cols)[:, None]
             dx = (wdy - xhat * c1 - c2) * rstd
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += dy * xhat
-        db_acc += dy
-    tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=mask)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, 0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, 0)
+    tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=mask)
+        tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -113,10 +128,12 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     mean = _alloc((0 if rms else rows,), torch.float32, x.device)
     rstd = _alloc((rows,), torch.float32, x.device)
     block = triton.next_power_of_2(cols)
+    tile = _rows_per_tile(block)
     if rows:
-        _norm_fwd_kernel[(rows,)](x2, weight, bias if bias is not None else weight, y, mean if not rms else rstd,
-                                  rstd, x2.stride(0), y.stride(0), cols, eps, BLOCK=block, RMS=rms,
-                                  HAS_BIAS=bias is not None, num_warps=_num_warps(block))
+        _norm_fwd_kernel[(triton.cdiv(rows, tile),)](
+            x2, weight, bias if bias is not None else weight, y, mean if not rms else rstd, rstd, x2.stride(0),
+            y.stride(0), rows, cols, eps, ROWS=tile, BLOCK=block, RMS=rms, HAS_BIAS=bias is not None,
+            num_warps=_num_warps(block))
     return y.view(x.shape), mean, rstd
 
 
@@ -127,7 +144,7 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean:
     rows, cols = x2.shape
     dx = _alloc((rows, cols), x.dtype, x.device)
     # Enough programs to fill a GPU; few under the interpreter, where each program costs Python time.
-    progs = max(1, min(rows, 4 if os.environ.get("TRITON_INTERPRET") == "1" else 512))
+    progs = max(1, min(rows, 2 if os.environ.get("TRITON_INTERPRET") == "1" else 512))
     rows_per_prog = triton.cdiv(max(rows, 1), progs)
     dw_part = _alloc((progs, cols), torch.float32, x.device)
     db_part = _alloc((progs, cols), torch.float32, x.device) if has_bias else dw_part
@@ -135,7 +152,8 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean:
     if rows:
         _norm_bwd_kernel[(progs,)](dy2, x2, weight, mean if not rms else rstd, rstd, dx, dw_part, db_part,
                                    x2.stride(0), dy2.stride(0), dx.stride(0), rows, cols, rows_per_prog,
-                                   BLOCK=block, RMS=rms, HAS_BIAS=has_bias, num_warps=_num_warps(block))
+                                   ROWS=_rows_per_tile(block), BLOCK=block, RMS=rms, HAS_BIAS=has_bias,
+                                   num_warps=_num_warps(block))
     else:
         dw_part.zero_()
         db_part.zero_()
