@@ -68,13 +68,30 @@ def _compare_cross_entropy(tp):
     return {"loss": (loss - ref_loss).abs().max().item(), "grad": (shard.grad - g_ref).abs().max().item()}
 
 
+def _dropout_masks(tp):
+    """Megatron's rule: outside the tracker fork TP ranks draw the same numbers (dropout on replicated
+    activations agrees); inside it they differ (dropout on TP-sharded attention heads)."""
+    from megatron.core import comm
+    from megatron.core.tensor_parallel.random import get_rng_tracker, set_seeds
+
+    set_seeds(42, tp_rank=tp.rank)
+    shared = torch.rand(16)
+    with get_rng_tracker().fork():
+        forked = torch.rand(16)
+    after = torch.rand(16)  # the fork must not disturb the default stream
+    gathered = [comm.all_gather(t.unsqueeze(0), tp.group) for t in (shared, forked, after)]
+    return {"shared_agree": bool((gathered[0] == gathered[0][0]).all()),
+            "forked_differ": bool((gathered[1][0] != gathered[1][1]).all()),
+            "after_agree": bool((gathered[2] == gathered[2][0]).all())}
+
+
 def _worker():
     from megatron.core.parallel_state import ParallelState
     from megatron.initialize import initialize_distributed
 
     initialize_distributed("gloo")
+    out = {"rng": _dropout_masks(ParallelState.build(2).tp)}
     torch.manual_seed(0)
-    out = {}
     for tp_size in (2, 4):
         tp = ParallelState.build(tp_size).tp
         out[("ce", tp_size)] = _compare_cross_entropy(tp)
@@ -88,6 +105,7 @@ def _worker():
 def test_tp2_tp4_match_single_process():
     results = run_distributed(_worker, world_size=4)
     for rank, res in enumerate(results):
+        assert res.pop("rng") == {"shared_agree": True, "forked_differ": True, "after_agree": True}, rank
         for key, errs in res.items():
             for what in ("logits", "loss", "grad"):
                 if what in errs:

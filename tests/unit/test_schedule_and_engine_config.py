@@ -1,0 +1,82 @@
+"""LR schedule shape, ds_config filling from the flags, and the FLOPs formula against Megatron's closed form."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
+from megatron.engine import build_ds_config
+from megatron.errors import ConfigError
+from megatron.model.sizes import named_model
+from megatron.perf.flops import iteration_flops
+from megatron.training.lr_schedule import OptimizerParamScheduler
+
+
+def _sched(style, warmup=10, decay=100):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    return OptimizerParamScheduler(opt, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style=style,
+                                                        lr_warmup_iters=warmup), decay)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_warmup_then_decay_to_min(style):
+    s = _sched(style)
+    assert s.current_lr == pytest.approx(0.1)  # step 1 of a 10-step warmup
+    lrs = []
+    for _ in range(120):
+        lrs.append(s.current_lr)
+        s.step()
+    assert lrs[9] == pytest.approx(1.0)  # end of warmup
+    mid = 0.1 + 0.9 * (0.5 if style == "linear" else 0.5 * (math.cos(math.pi * 0.5) + 1))
+    assert lrs[54] == pytest.approx(mid)  # halfway through decay (step 55)
+    assert lrs[99] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))  # monotone after warmup
+
+
+def test_resume_restores_position_not_shape():
+    a = _sched("cosine")
+    for _ in range(30):
+        a.step()
+    b = _sched("cosine", decay=200)  # a longer schedule on resume is a safe change
+    b.load_state_dict(a.state_dict())
+    assert b.num_steps == 30 and b.current_lr == pytest.approx(b.get_lr(31))
+
+
+def _run(**train):
+    return RunConfig(model=named_model("debug"), parallel=ParallelConfig(world_size=4, zero_stage=2),
+                     optimizer=OptimizerConfig(clip_grad=0.0), precision=PrecisionConfig(fp16=True),
+                     training=TrainingConfig(micro_batch_size=2, global_batch_size=32, **train)).validate()
+
+
+def test_ds_config_filled_from_flags():
+    cfg = build_ds_config(_run())
+    assert cfg["train_batch_size"] == 32 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["gradient_accumulation_steps"] == 4  # 32 / (2 x DP 4)
+    assert cfg["gradient_clipping"] == 0.0  # DeepSpeed would silently default to 1.0
+    assert cfg["zero_optimization"]["stage"] == 2
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert cfg["fp16"]["initial_scale_power"] == 32 and "bf16" not in cfg
+
+
+def test_ds_config_precision_disagreement(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text('{"bf16": {"enabled": true}}')
+    with pytest.raises(ConfigError, match="bf16.enabled=true but --bf16 is not set"):
+        build_ds_config(_run(), str(f))
+
+
+def test_ds_config_refuses_optimizer_section(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text('{"optimizer": {"type": "Adam"}}')
+    with pytest.raises(ConfigError, match="'optimizer' section"):
+        build_ds_config(_run(), str(f))
+
+
+def test_flops_formula_matches_megatron_closed_form():
+    """For the GPT-2 shape our per-matmul count reduces to Megatron's 72 B s l h^2 (1 + s/6h) + 6 B s h V."""
+    cfg = named_model("gpt-175b")
+    b, s, h, L, V = 8, cfg.seq_length, cfg.hidden_size, cfg.num_layers, cfg.padded_vocab_size()
+    f = iteration_flops(cfg, b, V, "full")
+    assert f.model == pytest.approx(72 * b * s * L * h * h * (1 + s / (6 * h)) + 6 * b * s * h * V)
+    assert f.recompute == pytest.approx(24 * b * s * L * h * h * (1 + s / (6 * h)))
