@@ -1,0 +1,43 @@
+"""pretrain_gpt.py through torchrun: the lm loss at iteration 10 is the same for PP=1 on 1 process, PP=2 on
+2 processes and TP=2 x PP=2 x DP=2 on 8 processes (mock data, dropout 0, clipping active)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+         "--mock-data", "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "0",
+         "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LOSS = re.compile(r"iteration\s+10/\s+10 \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
+
+
+def _torchrun(nproc: int, *extra: str) -> tuple[float, float, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), str(ROOT / "pretrain_gpt.py"), *FLAGS, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:  # subprocess.run kills the launcher; torchrun then stops its workers
+        raise AssertionError(f"{nproc} processes {extra}: timed out\n{e.stdout}") from e
+    m = LOSS.search(out.stdout)
+    assert m, f"{nproc} processes {extra}: no iteration-10 line (exit {out.returncode})\n{out.stdout}\n{out.stderr}"
+    return float(m.group(1)), float(m.group(2)), out.stdout
+
+
+@pytest.mark.timeout(800)
+def test_lm_loss_at_iteration_10_matches_across_layouts():
+    ref, ref_norm, _ = _torchrun(1)
+    for nproc, extra in ((2, ("--pipeline-model-parallel-size", "2")),
+                         (8, ("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"))):
+        loss, norm, stdout = _torchrun(nproc, *extra)
+        assert abs(loss - ref) <= 1e-4 * abs(ref), f"{nproc} processes {extra}: lm loss {loss} vs {ref}"
+        assert abs(norm - ref_norm) <= 1e-2, f"{nproc} processes {extra}: grad norm {norm} vs {ref_norm}"
+        assert "stages (pipeline engine (GPTModelPipe)" in stdout and "stage 1 (ranks" in stdout
