@@ -33,7 +33,7 @@ else:
     try:
         import triton  # noqa: F401
     except ImportError:
-        SKIP_REASON = "triton is not installed (pip install 'triton>=3.5')"
+        SKIP_REASON = "triton is not installed (pip install triton==3.9.0)"
     finally:
         _set_interpret(_OLD)
 
