@@ -46,7 +46,7 @@ class ModelConfig:
     """Initialise full weights on CPU from per-parameter seeds, then slice: the same seed gives the
     same full model for every TP/PP layout."""
     attention_backend: str = "auto"
-    """'auto', 'torch', 'triton' or 'hip' (see megatron/kernels)."""
+    """Fused-kernel backend for attention and norms: 'auto', 'torch', 'triton' or 'hip' (megatron/kernels)."""
     recompute_granularity: str | None = None
     """None, 'full' or 'selective'."""
     recompute_num_layers: int | None = None
@@ -143,6 +143,12 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 0
+    zero_hierarchy: str | None = None
+    """Hierarchical ZeRO-3 tiers, e.g. 'package,node,network' (megatron/core/hierarchical_zero); None = off."""
+    zero_hierarchy_weights: str = "node"
+    """Tier whose ranks share one copy of the 16-bit weights: 'node' or 'package'."""
+    zero_hierarchy_int8: bool = False
+    """Block-wise int8 on the network stage of hierarchical ZeRO (weights all-gather and gradient reduce)."""
 
     @property
     def tp(self) -> int:

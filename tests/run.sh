@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# shellcheck lints the Frontier scripts in tests/unit/test_launch_scripts.py (Debian package; root only).
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null) \
+    || echo "warning: could not install shellcheck; its test will be skipped" >&2
+fi
+
 if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
   bash csrc/check_hip_compile.sh
 fi

@@ -22,6 +22,11 @@ if [ "$(cat "$_stamp" 2>/dev/null || true)" != "$_want" ] || ! "$_venv/bin/pytho
   fi
   # No build isolation: the HIP extension must see the environment's (ROCm) torch to decide to build.
   (cd "$_root" && "$_venv/bin/python" -m pip install -q --no-build-isolation -e ".[test]")
+  # Test-only extras for the CPU machines: Triton for the interpreted kernel tests (triton==3.9.0 is the
+  # version they were checked with; on Frontier ROCm torch brings its own Triton, so setup.py does not pin it),
+  # and MPICH + mpi4py so MPI rank discovery runs for real.
+  "$_venv/bin/python" -c "import triton" 2>/dev/null || "$_venv/bin/python" -m pip install -q "triton==3.9.0"
+  "$_venv/bin/python" -c "import mpi4py" 2>/dev/null || "$_venv/bin/python" -m pip install -q mpich mpi4py
   echo "$_want" > "$_stamp"
 fi
 export PATH="$_venv/bin:$PATH"

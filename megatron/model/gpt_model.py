@@ -32,7 +32,7 @@ class GPTModel(nn.Module):
         self.embedding = Embedding(cfg, self.padded_vocab_size, **common)
         self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common) for i in range(cfg.num_layers))
         self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
-                                    sequence_parallel=self.sequence_parallel)
+                                    sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
         self.checkpointed_layers = recompute_layer_count(cfg)
 

@@ -23,7 +23,8 @@ class TransformerLayer(nn.Module):
         self.cfg = cfg
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel and tp.size > 1
-        norm = dict(kind=cfg.normalization, eps=cfg.layernorm_epsilon, tp=tp, sequence_parallel=sequence_parallel)
+        norm = dict(kind=cfg.normalization, eps=cfg.layernorm_epsilon, tp=tp, sequence_parallel=sequence_parallel,
+                    backend=cfg.attention_backend)
         self.input_layernorm = Norm(cfg.hidden_size, **norm)
         self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
                                             init_seed=init_seed)
