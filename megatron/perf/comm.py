@@ -18,7 +18,8 @@ Which collectives run follows Megatron-LM with the DeepSpeed engine:
   layers reduce-scatter their output in forward and all-gather its gradient in backward: 4 all-gathers +
   4 reduce-scatters of ``s x b x h`` per layer. Under SP every replicated parameter used on sequence
   shards (the two norms' weight and bias, the row-parallel biases) all-reduces its ``h``-element gradient
-  over TP inside autograd, every micro-batch. Full recompute replays the forward's collectives.
+  over TP inside autograd, every micro-batch. Full recompute replays the forward's collectives except FC2's
+  output all-reduce / reduce-scatter (torch's checkpoint stops early once every saved tensor is rebuilt).
   The embedding all-reduces its output in forward (SP: then splits the sequence, so its backward
   all-gathers the gradient); the output layer all-reduces its input gradient in backward (SP: all-gather
   forward, reduce-scatter backward; final-norm gradients all-reduced); the vocab-parallel cross entropy
@@ -191,14 +192,16 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
     if t > 1:
         tp_ranks = [_rank(layout, stage, 0, i) for i in range(t)]
         n_layers = layout.stage_layers(model.num_layers)[stage]
-        fwd_passes = 2 if layout.recompute_granularity == "full" else 1
+        # Full recompute replays the layer's forward, but torch's non-reentrant checkpoint stops once the last
+        # saved tensor is rebuilt: FC2's output collective (nothing saves its result) is not replayed.
+        replay = 1 if layout.recompute_granularity == "full" else 0
         sp = layout.sequence_parallel
         if sp:
-            add("tp", "all_gather", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
-            add("tp", "reduce_scatter", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
+            add("tp", "all_gather", "layers", m * n_layers * (4 + 2 * replay), act, tp_ranks)
+            add("tp", "reduce_scatter", "layers", m * n_layers * (4 + replay), act, tp_ranks)
             add("tp", "all_reduce", "sp param grads", m * n_layers * _sp_replicated_params(model), h * a, tp_ranks)
         else:
-            add("tp", "all_reduce", "layers", m * n_layers * (2 * fwd_passes + 2), act, tp_ranks)
+            add("tp", "all_reduce", "layers", m * n_layers * (4 + replay), act, tp_ranks)
         if stage == 0:
             add("tp", "all_reduce", "embedding", m, act, tp_ranks)
             if sp:

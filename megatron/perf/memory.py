@@ -21,7 +21,14 @@ Conventions (all numbers are bytes on one GCD):
   stage (which also holds the embedding) is the worst for activations; the last stage holds the logits
   (the 16-bit output plus the fp32 softmax kept by the vocab-parallel cross entropy) and, with tied
   embeddings and PP > 1, a copy of the word embeddings. The estimate is the worse of the two.
-* A fixed framework overhead (ROCm context, RCCL buffers, allocator slack) is a separate term.
+* DeepSpeed's ZeRO optimizers allocate a gradient bucket of ``reduce_bucket_size`` elements (5e7 in
+  deepspeed_configs/), in fp32 for ZeRO-1 (its fp32 accumulator) and in the training dtype for ZeRO-2/3:
+  200 MB in the fp32 CPU tests, where it was measured; the bf16 sizes are read from DeepSpeed's source.
+* The optimizer step: with ZeRO >= 1 the flat fp32 partition gets an fp32 gradient and AdamW temporaries
+  (``OPTIMIZER_STEP_BYTES`` per local parameter). The activations are gone by then, so this is a second
+  peak; the ``optimizer_step`` term is only its excess over the backward-phase peak.
+* A fixed framework overhead (ROCm context, RCCL buffers, allocator slack) is a separate term, ``overhead_bytes``;
+  pass 0 to get the model's own bytes only (what the CPU measurements are compared with).
 """
 
 from __future__ import annotations
@@ -39,9 +46,15 @@ FRAMEWORK_OVERHEAD_BYTES = 3 * GIB
 
 ZERO3_MAX_REUSE_DISTANCE = 1e9
 """DeepSpeed's default ``stage3_max_reuse_distance`` (parameters)."""
+REDUCE_BUCKET_SIZE = 5e7
+"""``reduce_bucket_size`` of the ds_config templates in deepspeed_configs/ (elements)."""
 
-TERMS = ("weights", "gradients", "optimizer_states", "zero3_gathered", "activations", "embedding_activations",
-         "logits", "framework_overhead")
+OPTIMIZER_STEP_BYTES = 12
+"""Per parameter of the local ZeRO partition during the step: DeepSpeed's fp32 gradient partition (4) and
+torch AdamW's two temporaries on the flat fp32 partition (8; measured on CPU, single-tensor AdamW)."""
+
+TERMS = ("weights", "gradients", "optimizer_states", "zero3_gathered", "zero_bucket", "activations",
+         "embedding_activations", "logits", "optimizer_step", "framework_overhead")
 
 
 @dataclass
@@ -130,8 +143,10 @@ def _in_flight(layout: Layout, stage: int) -> int:
 
 
 def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
-                          overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES) -> MemoryEstimate:
-    """Memory of one GCD in pipeline ``stage`` (0-based)."""
+                          overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES,
+                          reduce_bucket_size: float = REDUCE_BUCKET_SIZE) -> MemoryEstimate:
+    """Memory of one GCD in pipeline ``stage`` (0-based). ``overhead_bytes=0`` leaves out the assumed
+    framework overhead."""
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     a = layout.dtype_bytes
     mixed = layout.dtype in ("bf16", "fp16")
@@ -149,6 +164,9 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
         if layout.zero_hierarchy:
             terms["zero3_gathered"] += params * a / layout.zero_hierarchy
 
+    if z >= 1:
+        terms["zero_bucket"] = reduce_bucket_size * (4 if z == 1 else a)
+
     in_flight = _in_flight(layout, stage)
     n_layers = layout.stage_layers(model.num_layers)[stage]
     per_layer = activation_bytes_per_layer(model, layout)
@@ -164,19 +182,23 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
         v = model.padded_vocab_size(t)
         # final-norm input and output-layer input, then logits: 16-bit output + fp32 softmax for the backward.
         terms["logits"] = 2 * s * b * h * a / sp_div + s * b * (v / t) * (a + 4)
+    if z >= 1:
+        # The optimizer step runs after the activations are freed, so its transient only counts above them.
+        in_backward = sum(terms[k] for k in ("activations", "embedding_activations", "logits", "zero3_gathered"))
+        terms["optimizer_step"] = max(0.0, OPTIMIZER_STEP_BYTES * params / dp - in_backward)
     terms["framework_overhead"] = float(overhead_bytes)
     return MemoryEstimate(terms=terms, stage=stage)
 
 
-def estimate_memory(model: ModelConfig, layout: Layout,
-                    overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES) -> MemoryEstimate:
+def estimate_memory(model: ModelConfig, layout: Layout, overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES,
+                    reduce_bucket_size: float = REDUCE_BUCKET_SIZE) -> MemoryEstimate:
     """Peak memory of the worst GCD.
 
     Only the first and last stages can be the worst: every middle stage has no more layers (the remainder
     goes to the first stages), fewer micro-batches in flight and no embedding than the first.
     """
-    first = estimate_stage_memory(model, layout, 0, overhead_bytes)
+    first = estimate_stage_memory(model, layout, 0, overhead_bytes, reduce_bucket_size)
     if layout.pp == 1:
         return first
-    last = estimate_stage_memory(model, layout, layout.pp - 1, overhead_bytes)
+    last = estimate_stage_memory(model, layout, layout.pp - 1, overhead_bytes, reduce_bucket_size)
     return first if first.total >= last.total else last

@@ -39,7 +39,7 @@ def test_tp_all_reduces_without_sp():
     assert (ce_max.calls, ce_max.payload_bytes, ce_sum.calls, ce_sum.payload_bytes) == (4, 4 * S * 2, 4, 8 * S * 2)
     assert sum(c.payload_per_step for c in est.collectives) == 4 * (4 * L + 2) * act + 4 * 12 * S * 2
     recompute = estimate_comm(M, layout(tp=2, recompute_granularity="full"), 0)
-    assert by(recompute, "tp", "all_reduce", "layers").calls == 4 * L * 6  # forward replayed
+    assert by(recompute, "tp", "all_reduce", "layers").calls == 4 * L * 5  # forward replayed up to FC2
 
 
 def test_tp_sequence_parallel_gathers_and_scatters():
@@ -60,6 +60,7 @@ def test_tp_sequence_parallel_gathers_and_scatters():
     assert by(est, "tp", "all_gather", "embedding").calls == 4
     recompute = estimate_comm(M, layout(tp=4, sequence_parallel=True, recompute_granularity="full"), 0)
     assert by(recompute, "tp", "all_gather", "layers").calls == 4 * L * 6  # forward's 2 AG replayed
+    assert by(recompute, "tp", "reduce_scatter", "layers").calls == 4 * L * 5  # but not FC2's RS
 
 
 def test_pp_sends_per_stage():
