@@ -83,6 +83,15 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
                           "--pipeline-model-parallel-size 1")
+    if p.pp > 1 and p.sequence_parallel:
+        # The engine's pipe/grad partitioning sends 1/TP of a stage's output and all-gathers it on the next
+        # stage, assuming every TP rank holds the same tensor; with SP each holds its own sequence slice.
+        pipe_cfg = cfg.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipe_cfg.get(key):
+                raise ConfigError(f"{source} sets pipeline.{key}=true, which corrupts activations with "
+                                  "--sequence-parallel: drop the key or --sequence-parallel")
+            pipe_cfg[key] = False
     _activation_checkpointing(cfg, run, source)
 
     for name in ("fp16", "bf16"):
