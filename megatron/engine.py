@@ -16,6 +16,7 @@ import deepspeed
 import torch
 
 from megatron.config import RunConfig
+from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.training.lr_schedule import OptimizerParamScheduler
@@ -79,6 +80,7 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
         raise ConfigError(f"{source} sets zero_optimization.stage={zero['stage']} but --zero-stage gives "
                           f"{p.zero_stage}: make them agree or drop one")
     zero["stage"] = p.zero_stage
+    _zero_hierarchy(cfg, run, source)
     if p.pp > 1 and p.zero_stage >= 2:
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
@@ -112,6 +114,20 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     cfg["zero_allow_untested_optimizer"] = True  # our AdamW is torch's own
     cfg.setdefault("steps_per_print", 10**9)
     return cfg
+
+
+def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
+    """Fill and check the ``megatron_frontier`` section (hierarchical ZeRO); initialize_engine strips it."""
+    p = run.parallel
+    if p.zero_hierarchy:
+        section = cfg.setdefault(hierarchical_zero.SECTION, {})
+        levels = list(hierarchical_zero.config.parse_levels(p.zero_hierarchy))
+        _agree(section, "zero_hierarchy", levels, "--zero-hierarchy", source)
+        section.setdefault("zero_hierarchy_weights", p.zero_hierarchy_weights)
+        section["zero_hierarchy_int8"] = bool(section.get("zero_hierarchy_int8")) or p.zero_hierarchy_int8
+    hcfg = hierarchical_zero.from_ds_config(cfg)
+    if hcfg is not None:
+        hierarchical_zero.check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
 
 
 def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
@@ -153,6 +169,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelState, ds_config: dict):
     """Wrap ``model`` in a DeepSpeed engine with AdamW and Megatron's LR schedule."""
     o = run.optimizer
+    hcfg = hierarchical_zero.from_ds_config(ds_config)
+    if hcfg is not None:  # our own sharded engine; DeepSpeed never sees the section
+        return hierarchical_zero.create_engine(
+            model, run, pstate, hcfg,
+            lambda groups: torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                             weight_decay=o.weight_decay),
+            lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
+    ds_config = {k: v for k, v in ds_config.items() if k != hierarchical_zero.SECTION}
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps)
     scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)

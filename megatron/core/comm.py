@@ -81,6 +81,15 @@ def reduce_scatter(t: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
+def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Split dim 0 into ``n`` equal chunks; chunk ``j`` goes to rank ``j``, which returns them in rank order."""
+    t = t.contiguous()
+    _notify("all_to_all", t, group)
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    return out
+
+
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     _notify("broadcast", t, group)
     dist.broadcast(t, src, group=group)

@@ -1,0 +1,49 @@
+"""Hierarchical ZeRO-3 (package -> node -> network) for Frontier; megatron/engine.py selects it.
+
+See engine.py for the partitions, groups.py for the tiers, collectives.py for the int8 network stage.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron.core.hierarchical_zero.config import SECTION, HierarchyConfig, check_run, from_ds_config
+from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
+from megatron.core.hierarchical_zero.groups import Hierarchy, build_hierarchy, level_groups
+
+__all__ = [
+    "SECTION",
+    "HierarchicalZeroEngine",
+    "Hierarchy",
+    "HierarchyConfig",
+    "build_hierarchy",
+    "check_run",
+    "create_engine",
+    "from_ds_config",
+    "level_groups",
+    "ranks_per_node",
+]
+
+
+def ranks_per_node(hcfg: HierarchyConfig) -> int:
+    """The configured node size, else the launcher's ranks per node (never ``device_count()``: it is 1 on
+    Frontier under --gpus-per-task=1)."""
+    if hcfg.ranks_per_node is not None:
+        return hcfg.ranks_per_node
+    from megatron.topology import discover_ranks
+
+    return discover_ranks(os.environ, use_mpi4py=False).local_world_size
+
+
+def create_engine(model: torch.nn.Module, run, pstate, hcfg: HierarchyConfig, optimizer_factory,
+                  scheduler_factory) -> HierarchicalZeroEngine:
+    """Build the tier groups (collective) and the engine for ``run`` (a validated RunConfig)."""
+    p = run.parallel
+    check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
+    hierarchy = build_hierarchy(pstate.all_groups["dp"], pstate.world_size, pstate.global_rank, hcfg.levels,
+                                ranks_per_node(hcfg))
+    dtype = torch.bfloat16 if run.precision.bf16 else torch.float32
+    return HierarchicalZeroEngine(model, hcfg, hierarchy, pstate, optimizer_factory, scheduler_factory,
+                                  run.training.grad_accumulation_steps(p.dp), run.optimizer.clip_grad, dtype)

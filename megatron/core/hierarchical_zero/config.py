@@ -1,0 +1,93 @@
+"""Settings of hierarchical ZeRO, read from the ds_config section ``megatron_frontier`` (filled from the CLI).
+
+ds_config keys (all inside ``"megatron_frontier": {...}``, which megatron/engine.py removes before DeepSpeed sees
+the config):
+
+* ``zero_hierarchy``: tiers the gradient reduce-scatter walks, fastest first, ending in ``"network"``,
+  e.g. ``["package", "node", "network"]`` (CLI ``--zero-hierarchy package,node,network``).
+* ``zero_hierarchy_weights``: the tier whose ranks share one copy of the 16-bit weights, ``"node"`` (default) or
+  ``"package"`` (CLI ``--zero-hierarchy-weights``); forward/backward all-gathers then stay inside it.
+* ``zero_hierarchy_int8``: block-wise int8 on the network stage (weights all-gather and gradient reduce-scatter),
+  with error feedback on the gradients (CLI ``--zero-hierarchy-int8``).
+* ``zero_hierarchy_block``: elements per int8 block (one fp32 scale each), default 256.
+* ``ranks_per_node``: ranks on one node; default the launcher's (never ``device_count()``). Tests set 4 so that
+  8 local processes stand for 2 nodes x 2 packages x 2 GCDs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.errors import ConfigError
+
+SECTION = "megatron_frontier"
+LEVELS = ("package", "node", "network")
+
+
+@dataclass(frozen=True)
+class HierarchyConfig:
+    levels: tuple[str, ...] = LEVELS
+    """Tiers of the gradient reduce-scatter, fastest first; the last is always 'network'."""
+    weights: str = "node"
+    """Tier whose ranks share one copy of the 16-bit weights (the secondary partition)."""
+    int8: bool = False
+    block: int = 256
+    ranks_per_node: int | None = None
+
+    def validate(self) -> HierarchyConfig:
+        bad = [lv for lv in self.levels if lv not in LEVELS]
+        if bad or not self.levels or list(self.levels) != sorted(self.levels, key=LEVELS.index) \
+                or len(set(self.levels)) != len(self.levels) or self.levels[-1] != "network":
+            raise ConfigError(f"--zero-hierarchy {','.join(self.levels)}: list distinct tiers from fastest to "
+                              "slowest, ending in 'network' (e.g. package,node,network or node,network)")
+        if self.weights not in self.levels:
+            raise ConfigError(f"--zero-hierarchy-weights {self.weights}: choose one of the --zero-hierarchy tiers "
+                              f"({','.join(self.levels)})")
+        if self.block < 8 or self.block % 8:
+            raise ConfigError(f"zero_hierarchy_block {self.block}: use a multiple of 8 (256 is a good default)")
+        if self.ranks_per_node is not None and not 1 <= self.ranks_per_node <= 8:
+            raise ConfigError(f"ranks_per_node {self.ranks_per_node}: a Frontier node holds 1 to 8 ranks")
+        return self
+
+    def to_section(self) -> dict:
+        out = {"zero_hierarchy": list(self.levels), "zero_hierarchy_weights": self.weights,
+               "zero_hierarchy_int8": self.int8, "zero_hierarchy_block": self.block}
+        if self.ranks_per_node is not None:
+            out["ranks_per_node"] = self.ranks_per_node
+        return out
+
+
+def parse_levels(text: str) -> tuple[str, ...]:
+    """``'package,node,network'`` -> ('package', 'node', 'network')."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def from_ds_config(cfg: dict) -> HierarchyConfig | None:
+    """The mode from a ds_config, or None when ``megatron_frontier.zero_hierarchy`` is absent."""
+    section = cfg.get(SECTION) or {}
+    unknown = set(section) - {"zero_hierarchy", "zero_hierarchy_weights", "zero_hierarchy_int8",
+                              "zero_hierarchy_block", "ranks_per_node"}
+    if unknown:
+        raise ConfigError(f"ds_config section '{SECTION}' has unknown keys {sorted(unknown)}: see "
+                          "megatron/core/hierarchical_zero/config.py for the supported ones")
+    levels = section.get("zero_hierarchy")
+    if not levels:
+        return None
+    if isinstance(levels, str):
+        levels = parse_levels(levels)
+    return HierarchyConfig(levels=tuple(levels), weights=section.get("zero_hierarchy_weights", "node"),
+                           int8=bool(section.get("zero_hierarchy_int8", False)),
+                           block=int(section.get("zero_hierarchy_block", 256)),
+                           ranks_per_node=section.get("ranks_per_node")).validate()
+
+
+def check_run(h: HierarchyConfig, zero_stage: int, pp: int, fp16: bool) -> None:
+    """Refuse what the mode cannot do, naming the flags."""
+    if zero_stage != 3:
+        raise ConfigError(f"--zero-hierarchy is a ZeRO-3 mode but --zero-stage is {zero_stage}: add --zero-stage 3")
+    if pp > 1:
+        raise ConfigError(f"--zero-hierarchy (hierarchical ZeRO-3) with --pipeline-model-parallel-size {pp}: "
+                          "like ZeRO-3 it shards weights per data-parallel rank and cannot run under DeepSpeed's "
+                          "pipeline engine; use --pipeline-model-parallel-size 1 --no-pipeline-parallel")
+    if fp16:
+        raise ConfigError("--zero-hierarchy with --fp16: this mode has no loss scaler; use --bf16 (advised on MI250X)")

@@ -1,0 +1,123 @@
+"""Workers that train a tiny GPT under ZeRO-3, ZeRO++ hpZ and hierarchical ZeRO and count bytes per tier.
+
+Used by tests/distributed/test_hierarchical_zero.py and bench/comm_tiers.py (through tests.launcher). Byte
+counting reuses tests/distributed/perf_probe.py's counters; tiers come from megatron/topology.py's placement with
+a simulated node size (``ranks_per_node``), so 8 local processes stand for 2 nodes x 2 packages x 2 GCDs.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+MODES = ("zero3", "hpz", "ours", "ours-int8")
+MODEL_KW = dict(seq_length=16, vocab_size=120)
+
+
+def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: dict | None = None,
+               weights: str = "node", levels: str = "package,node,network"):
+    """The RunConfig of one mode (fp32, clipping active, dropout off)."""
+    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+    from megatron.model.sizes import named_model
+
+    kw = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+              make_vocab_size_divisible_by=64) | MODEL_KW | (model_kw or {})
+    ours = mode.startswith("ours")
+    return RunConfig(
+        model=named_model("debug", **kw),
+        parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=3,
+                                zero_hierarchy=levels if ours else None, zero_hierarchy_weights=weights,
+                                zero_hierarchy_int8=mode == "ours-int8"),
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=steps, seed=5),
+    ).validate()
+
+
+def reference_losses(gbs: int, steps: int, model_kw: dict | None = None) -> list[float]:
+    """One process, no DeepSpeed: torch AdamW + clip_grad_norm_ + our LR schedule on the same data."""
+    from megatron.core.parallel_state import single_process_state
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import param_groups
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.lr_schedule import OptimizerParamScheduler
+    from megatron.training.step import gpt_forward_step
+
+    run = run_config(1, 1, "zero3", gbs, steps, model_kw)
+    m, o = run.model, run.optimizer
+    model = GPTModel(m, tp=single_process_state().tp, init_seed=run.training.seed)
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                            eps=o.adam_eps)
+    sched = OptimizerParamScheduler(opt, o, steps)
+    data = microbatches(MockGPTDataset(4000, m.seq_length, m.vocab_size, seed=9), 0, 1, 0, 1, "cpu")
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(gbs):
+            loss = gpt_forward_step(model, next(data))
+            (loss / gbs).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        opt.step()
+        sched.step()
+        losses.append(total / gbs)
+    return losses
+
+
+def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, counter, model_kw: dict | None,
+                weights: str, levels: str) -> dict:
+    import deepspeed.comm as dist
+
+    from megatron.core import comm
+    from megatron.core.parallel_state import ParallelState
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.step import train_step
+    from tests.distributed.perf_probe import ObserverCounter
+
+    run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels)
+    state = ParallelState.build(tp)
+    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
+    ds = build_ds_config(run)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
+    if mode == "hpz":  # DeepSpeed's own secondary partition: one node's DP ranks, from our topology
+        ds["zero_optimization"]["zero_hpz_partition_size"] = ranks_per_node // tp
+    if mode.startswith("ours"):
+        ds["megatron_frontier"]["ranks_per_node"] = ranks_per_node
+    engine = initialize_engine(model, run, state, ds)
+    m = run.model
+    data = microbatches(MockGPTDataset(4000, m.seq_length, m.vocab_size, seed=9), 0, 1, state.dp.rank,
+                        state.dp.size, "cpu")
+    observer = ObserverCounter()
+    remove = comm.add_observer(observer)
+    counter.bytes.clear(), counter.calls.clear()
+    losses = []
+    for step in range(steps):
+        # Step 0 is warm-up (ZeRO-3 traces its fetch order): count the rest.
+        counter.active = observer.active = step > 0
+        res = train_step(engine, data, run.training.grad_accumulation_steps(state.dp.size))
+        counter.active = observer.active = False
+        t = torch.tensor([res.loss])
+        dist.all_reduce(t, group=state.dp.group)  # the DP-mean loss, as the log reports it
+        losses.append(t.item() / state.dp.size)
+    remove()
+    counts = dict(observer.bytes if mode.startswith("ours") else counter.bytes)
+    del engine
+    gc.collect()
+    return {"losses": losses, "counts": counts, "counted_steps": steps - 1}
+
+
+def worker(jobs: list[dict], ranks_per_node: int) -> list[dict]:
+    """Run each job (keywords of ``_train_mode`` minus the counter) in turn on this rank."""
+    from megatron.initialize import initialize_distributed
+    from tests.distributed.perf_probe import TorchDistCounter
+
+    counter = TorchDistCounter()
+    counter.install()  # before the process group exists: DeepSpeed captures some entry points at creation
+    initialize_distributed("gloo")
+    base = dict(tp=1, gbs=8, steps=10, model_kw=None, weights="node", levels="package,node,network")
+    return [_train_mode(counter=counter, ranks_per_node=ranks_per_node, **(base | job)) for job in jobs]
