@@ -94,6 +94,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is always used")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-hierarchy", default=None, metavar="TIERS",
+                   help="hierarchical ZeRO-3 over Frontier's tiers, e.g. package,node,network (needs --zero-stage 3)")
+    g.add_argument("--zero-hierarchy-weights", choices=["package", "node"], default="node",
+                   help="tier whose ranks share one copy of the 16-bit weights (forward all-gathers stay inside it)")
+    g.add_argument("--zero-hierarchy-int8", action="store_true",
+                   help="block-wise int8 on the network stage of --zero-hierarchy (with error feedback)")
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
     g.add_argument("--demo-corpus", action="store_true",
@@ -181,7 +187,9 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
         model=model_config_from_args(args, vocab_size),
         parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0),
+                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0,
+                                zero_hierarchy=args.zero_hierarchy, zero_hierarchy_weights=args.zero_hierarchy_weights,
+                                zero_hierarchy_int8=args.zero_hierarchy_int8),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                                   lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                   lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
