@@ -2,8 +2,8 @@
 
 PP=4 and PP=2 x DP=2 for GPT-2 and Llama variants with tied and untied embeddings (fp32, <= 1e-5), under
 ZeRO-0 (our clipping hook) and ZeRO-1 (DeepSpeed's clipping); then TP=2 x PP=2 x DP=2 with ZeRO-1 on
-8 processes (<= 1e-4); two runs also recompute activations inside the stages. Clipping is active
-throughout, so a wrong grad norm would show.
+8 processes (<= 1e-4), once with sequence parallelism. Two runs also recompute activations inside the
+stages. Clipping is active throughout, so a wrong grad norm would show.
 """
 
 import pytest
@@ -20,7 +20,7 @@ VARIANTS = {  # name -> (named model, untie)
 }
 
 
-def _run_config(variant, world, tp, pp, zero, recompute=None):
+def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
     from megatron.model.sizes import named_model
 
@@ -31,7 +31,7 @@ def _run_config(variant, world, tp, pp, zero, recompute=None):
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                zero_stage=zero),
+                                zero_stage=zero, sequence_parallel=sp),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
     ).validate()
@@ -69,7 +69,7 @@ def reference_losses(variant):
     return losses
 
 
-def _train_pipe(variant, tp, pp, zero, recompute=None):
+def _train_pipe(variant, tp, pp, zero, recompute=None, sp=False):
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -79,9 +79,10 @@ def _train_pipe(variant, tp, pp, zero, recompute=None):
     from megatron.training.batches import microbatches
     from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 
-    run = _run_config(variant, dist.get_world_size(), tp, pp, zero, recompute)
+    run = _run_config(variant, dist.get_world_size(), tp, pp, zero, recompute, sp)
     state = ParallelState.build(tp, pp)
-    model = GPTModelPipe(run.model, state, init_seed=run.training.seed)
+    model = GPTModelPipe(run.model, state, sequence_parallel=run.parallel.sequence_parallel,
+                         init_seed=run.training.seed)
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = pipe_microbatches(microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, state.dp.rank,
                                           state.dp.size, "cpu"))
@@ -125,6 +126,7 @@ def test_pp4_and_pp2_dp2_match_single_process():
 
 @pytest.mark.timeout(600)
 def test_tp2_pp2_dp2_zero1_matches_single_process():
-    runs = [("gpt2-tied", 2, 2, 1), ("llama-untied", 2, 2, 1, "selective")]
+    # (variant, tp, pp, zero, recompute, sequence parallel)
+    runs = [("gpt2-tied", 2, 2, 1, None, True), ("llama-untied", 2, 2, 1, "selective", False)]
     refs = {v: reference_losses(v) for v, *_ in runs}
     _check(run_distributed(_worker, world_size=8, runs=runs), refs, tol=1e-4)
