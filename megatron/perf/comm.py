@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron.config import ModelConfig
+from megatron.perf.hzero import hierarchical_zero_collectives
 from megatron.perf.layout import Layout
 from megatron.perf.memory import ZERO3_MAX_REUSE_DISTANCE, stage_parameters, zero3_kept_parameters
 from megatron.topology import GCDS_PER_NODE, TIERS
@@ -238,6 +239,9 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
         elif z in (1, 2):
             add("dp", "all_reduce", "grads", 1 if z == 1 else m, g, dp_ranks)
             add("dp", "all_gather", "weights", 1, w, dp_ranks)
+        elif layout.hierarchical_zero or layout.hierarchical_zero_int8:
+            hierarchical_zero_collectives(add, p, a, m, layout.dp, t, lambda d: _rank(layout, stage, d),
+                                          layout.hierarchical_zero_int8)
         else:
             add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
             k = layout.zero_hierarchy or layout.dp

@@ -33,6 +33,10 @@ class Layout:
     """Weight/activation dtype: 'bf16', 'fp16' (mixed precision with fp32 master weights) or 'fp32'."""
     zero_hierarchy: int | None = None
     """ZeRO++ hpZ secondary partition size (ZeRO-3 only): a second weight shard over this many ranks."""
+    hierarchical_zero: bool = False
+    """Our hierarchical ZeRO-3 (package -> node -> network; megatron/perf/hzero.py), instead of DeepSpeed's."""
+    hierarchical_zero_int8: bool = False
+    """Block-wise int8 on its network stage."""
 
     def __post_init__(self) -> None:
         if self.tp == 1:
@@ -86,6 +90,12 @@ class Layout:
                     f"--zero-hpz-partition-size {self.zero_hierarchy} must divide the data-parallel size {self.dp}"
                 )
 
+        if self.hierarchical_zero or self.hierarchical_zero_int8:
+            if self.zero_stage != 3 or self.zero_hierarchy is not None:
+                raise ConfigError("--zero-hierarchy needs --zero-stage 3 and no --zero-hpz-partition-size")
+            if self.pp > 1:
+                raise ConfigError(f"--zero-hierarchy with --pipeline-model-parallel-size {self.pp}: use PP=1")
+
     def validate_for(self, model: ModelConfig) -> None:
         """Checks that need the model shape: TP divides heads and widths, PP has layers to split."""
         model.validate(self.tp)
@@ -108,6 +118,8 @@ class Layout:
             extras.append(f"recompute={self.recompute_granularity}")
         if self.zero_hierarchy:
             extras.append(f"hpZ={self.zero_hierarchy}")
+        if self.hierarchical_zero or self.hierarchical_zero_int8:
+            extras.append("hierarchical ZeRO" + (" int8" if self.hierarchical_zero_int8 else ""))
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} ZeRO={self.zero_stage}"
                 f"{tail}")

@@ -12,7 +12,7 @@ import gc
 import torch
 
 MODES = ("zero3", "hpz", "ours", "ours-int8")
-MODEL_KW = dict(seq_length=16, vocab_size=120)
+MODEL_KW = {"seq_length": 16, "vocab_size": 120}
 
 
 def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: dict | None = None,
@@ -21,8 +21,8 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
     from megatron.model.sizes import named_model
 
-    kw = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-              make_vocab_size_divisible_by=64) | MODEL_KW | (model_kw or {})
+    kw = {"use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+              "make_vocab_size_divisible_by": 64} | MODEL_KW | (model_kw or {})
     ours = mode.startswith("ours")
     return RunConfig(
         model=named_model("debug", **kw),
@@ -119,5 +119,5 @@ def worker(jobs: list[dict], ranks_per_node: int) -> list[dict]:
     counter = TorchDistCounter()
     counter.install()  # before the process group exists: DeepSpeed captures some entry points at creation
     initialize_distributed("gloo")
-    base = dict(tp=1, gbs=8, steps=10, model_kw=None, weights="node", levels="package,node,network")
+    base = {"tp": 1, "gbs": 8, "steps": 10, "model_kw": None, "weights": "node", "levels": "package,node,network"}
     return [_train_mode(counter=counter, ranks_per_node=ranks_per_node, **(base | job)) for job in jobs]
