@@ -148,6 +148,9 @@ def check_topology(topo: PipeModelDataParallelTopology, pstate: ParallelState) -
 
 
 class GPTModelPipe(PipelineModule):
+    """GPTModel's layers over ``pstate.pp.size`` stages; ``partition_method`` is one of PARTITION_METHODS.
+    Built on every rank of the grid (it creates DeepSpeed's groups); each rank builds only its stage."""
+
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
         self.cfg, self.pstate = cfg, pstate

@@ -94,3 +94,16 @@ def test_layout_report_lists_groups_stages_params_and_memory():
     assert "stage 0 (ranks 0,1,2,3): embedding, layers 0-1 |" in text
     assert "stage 1 (ranks 4,5,6,7): layers 2-3, norm, output (tied) |" in text
     assert text.count("params per GCD") == 2 and text.count("est. memory") == 2
+
+
+def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
+    from megatron.training.pretrain import Providers, pretrain
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--no-pipeline-parallel"]
+    with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
+        pretrain(argv, Providers(None, None, None, lambda args: 100))
