@@ -124,11 +124,32 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="warn instead of refusing when a TP group would span nodes")
 
 
+def _checkpointing(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing, exits and faults (megatron/checkpointing)")
+    g.add_argument("--save", default=None, help="directory for checkpoints (DeepSpeed layout + 'latest')")
+    g.add_argument("--load", default=None, help="resume from DIR/latest, or load a full-state directory")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true", help="ZeRO-0/1/2: save weights without optimizer state")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only; iteration, optimizer, LR schedule and RNG start fresh")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="delete older checkpoints (the one 'latest' names is never deleted)")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit at this iteration multiple")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")
+    g.add_argument("--max-nonfinite-loss-iters", type=int, default=3,
+                   help="stop after this many consecutive NaN/Inf-loss iterations (nothing is saved meanwhile)")
+    g.add_argument("--watchdog-timeout-secs", type=float, default=60.0,
+                   help="exit every rank when one stops its heartbeat for this long (0 disables)")
+
+
 def build_parser(extra=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
     _parallel(p)
     _model(p)
     _training(p)
+    _checkpointing(p)
     if extra is not None:
         extra(p)
     return p

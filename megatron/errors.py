@@ -19,6 +19,10 @@ class CheckpointError(MegatronError):
     """A missing, corrupt or incompatible checkpoint."""
 
 
+class TrainingError(MegatronError):
+    """Training cannot go on (e.g. a persistent NaN/Inf loss)."""
+
+
 class DistributedError(MegatronError):
     """A lost peer, a collective timeout, or a rank layout that cannot be discovered."""
 

@@ -144,6 +144,9 @@ def build_data_loader(
         )
     else:
         raise ConfigError(f"--dataloader-type {dataloader_type!r} must be 'single' or 'cyclic'")
+    # Its own generator: a DataLoader iterator otherwise draws its worker base seed from the global torch RNG
+    # at the first next(), which shifts dropout masks after a resume (the RNG is restored before that draw).
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False, persistent_workers=num_workers > 0
+        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False, persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed + consumed_samples),
     )

@@ -10,7 +10,6 @@ forward_step(model, batch) -> scalar loss
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,15 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from megatron.arguments import parse_args, run_config_from_args
+from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, load_full_state, save_checkpoint
 from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.training.batches import microbatches
+from megatron.training.control import RunControl
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.peak import device_peak_tflops
 from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches, pipe_train_step
 from megatron.training.step import train_step
+from megatron.training.watchdog import start_watchdog
 
 
 @dataclass
@@ -87,6 +89,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank
+    watchdog = None
     try:
         ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
         if rank == 0:
@@ -98,15 +101,22 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
+        ckpt = CheckpointSettings.from_args(args)
+        full = load_full_state(model, run, pstate, ckpt)  # a full-state --load goes in before ZeRO partitions
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
-        return _train(args, run, pstate, engine, providers)
+        resume = load_checkpoint(engine, run, pstate, ckpt, full)
+        watchdog = start_watchdog(args.watchdog_timeout_secs)
+        return _train(args, run, pstate, engine, providers, resume, ckpt)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         shutdown()
 
 
-def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers) -> dict:
+def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers, resume: Resume,
+           ckpt: CheckpointSettings) -> dict:
     from megatron.engine import is_pipeline
 
     t = run.training
@@ -115,7 +125,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
     train_ds, valid_ds = providers.datasets(args, run, (t.train_iters * gbs, eval_runs * t.eval_iters * gbs))
     mbs, dp = t.micro_batch_size, pstate.dp
-    train_data = microbatches(train_ds, 0, mbs, dp.rank, dp.size)
+    train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size)
     gas = t.grad_accumulation_steps(dp.size)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
@@ -126,8 +136,12 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     writer = _tensorboard(run, rank)
     logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer)
     first_loss = last_loss = None
-    consumed, interval_sum, interval_n = 0, 0.0, 0
-    for it in range(1, t.train_iters + 1):
+    consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
+    control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
+                         args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
+    losses, it, decision = {}, resume.iteration, None
+    resume.restore_rng()
+    for it in range(resume.iteration + 1, t.train_iters + 1):
         res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
                                                                                  providers.forward_step)
         consumed += gbs
@@ -137,8 +151,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
             loss = _dp_mean(interval_sum / interval_n, pstate)
             interval_sum, interval_n = 0.0, 0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"lm loss is {loss} at iteration {it}")
+            losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
         logger.iteration(it, loss, res, consumed)
@@ -150,7 +163,17 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                 logger.validation(it, loss)
             else:
                 logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
+        decision = control.after_iteration(it, res.loss)  # all ranks agree: save? exit? persistent NaN?
+        if decision.save:
+            save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
+        if decision.exit:
+            print_rank0(f"> exiting at iteration {it} after a checkpoint: {decision.reason}", rank)
+            break
+    control.close()
+    if ckpt.save and it > resume.iteration and not (decision and decision.save):
+        save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
-    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": t.train_iters}
+    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses,
+            "exit_reason": decision.reason if decision and decision.exit else None}

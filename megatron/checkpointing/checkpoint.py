@@ -1,0 +1,274 @@
+"""Crash-safe save and exact resume through DeepSpeed's ``engine.save_checkpoint`` / ``load_checkpoint``.
+
+Layout of ``--save DIR`` (DeepSpeed's, so its tools read it)::
+
+    DIR/latest                       one line: the tag of the newest complete checkpoint
+    DIR/global_step200/              DeepSpeed's model / ZeRO / pipeline-layer files + megatron_meta.json
+    DIR/global_step300.tmp-<id>/     a save in progress (or one a crash interrupted; never loaded)
+
+A save writes every file under the temporary tag (each file fsynced), waits for every rank, then rank 0
+renames the directory to its final tag and only then moves ``latest`` (temp file + rename). A crash at
+any moment leaves ``latest`` naming a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from megatron.checkpointing import safe_io
+from megatron.checkpointing.full_state import is_full_state, load_into_model, partition_table, read_full_state
+from megatron.checkpointing.state import (
+    check_model_shape,
+    check_resume,
+    plain_args,
+    plain_run,
+    rng_for_rank,
+    rng_state,
+    set_rng_state,
+)
+from megatron.config import RunConfig
+from megatron.core import comm
+from megatron.core.parallel_state import ParallelState
+from megatron.errors import CheckpointError, ConfigError
+
+META = "megatron_meta.json"
+LATEST = "latest"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+@dataclass
+class CheckpointSettings:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    keep_last: int | None = None
+    """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
+        s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
+                args.finetune, args.keep_last_n_checkpoints)
+        if s.keep_last is not None and s.keep_last < 1:
+            raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
+        if s.save_interval is not None and s.save_interval < 1:
+            raise ConfigError(f"--save-interval {s.save_interval}: must be >= 1")
+        return s
+
+
+@dataclass
+class Resume:
+    iteration: int = 0
+    consumed_samples: int = 0
+    path: str | None = None
+    lr_num_steps: int = 0
+    rng: dict | None = None
+    """Saved RNG states of this rank; applied by ``restore_rng`` right before the first iteration, because
+    set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
+
+    def restore_rng(self) -> None:
+        if self.rng is not None:
+            set_rng_state(self.rng)
+
+
+def _rank0() -> bool:
+    return tdist.get_rank() == 0
+
+
+def _agreed_id() -> str:
+    """One id for this save on every rank (DeepSpeed checks that all ranks use the same tag)."""
+    t = torch.tensor([int(time.time() * 1000) % 10**12 * 1000 + os.getpid() % 1000 if _rank0() else 0],
+                     dtype=torch.int64)
+    comm.all_reduce(t)
+    return f"{t.item():x}"
+
+
+def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argparse.Namespace, run: RunConfig,
+                    pstate: ParallelState, settings: CheckpointSettings) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    save_dir = settings.save
+    tag = f"global_step{iteration}"
+    tmp_tag = f"{tag}.tmp-{_agreed_id()}"
+    ckpt_engine = safe_io.install(engine)
+    if settings.no_save_optim and run.parallel.zero_stage == 3:
+        raise ConfigError("--no-save-optim with --zero-stage 3: ZeRO-3 keeps the weights only in the optimizer "
+                          "partitions; save the optimizer or use ZeRO-1/2")
+    # RNG states differ per DP rank but DeepSpeed writes client_state once per model-parallel rank:
+    # gather them over DP so every model file carries the whole list (Megatron does the same).
+    rngs = [None] * pstate.dp.size
+    tdist.all_gather_object(rngs, rng_state(), group=pstate.dp.group)
+    tables = [None] * tdist.get_world_size()
+    tdist.all_gather_object(tables, partition_table(engine.module, run.model.num_layers))
+    meta = {"iteration": iteration, "consumed_samples": consumed_samples, "args": plain_args(args),
+            "run": plain_run(run), "has_optimizer": not settings.no_save_optim, "tag": tag,
+            "lr_num_steps": engine.lr_scheduler.num_steps if engine.lr_scheduler is not None else iteration,
+            "partition_table": {k: v for t in tables for k, v in t.items()},
+            "format": "megatron-frontier/deepspeed-v1"}
+    client_state = {**meta, "rng_states": rngs}
+    saved_flag = engine.save_zero_checkpoint
+    try:
+        ckpt_engine.drop_optimizer = settings.no_save_optim
+        if settings.no_save_optim:
+            engine.save_zero_checkpoint = False
+        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    finally:
+        ckpt_engine.drop_optimizer = False
+        engine.save_zero_checkpoint = saved_flag
+    final = os.path.join(save_dir, tag)
+    if _rank0():
+        tmp = os.path.join(save_dir, tmp_tag)
+        safe_io.atomic_write_text(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True))
+        safe_io.fsync_dir(tmp)
+        if os.path.exists(final):  # the same iteration saved before (e.g. a resumed run): replace it
+            old = f"{final}.old-{tmp_tag.rsplit('-', 1)[1]}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        safe_io.fsync_dir(save_dir)
+        safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
+        _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
+    comm.barrier()  # nobody proceeds (or exits) before the checkpoint is committed
+    return final
+
+
+def _retain(save_dir: str, keep_last: int | None, keep: str, current_tmp: str) -> None:
+    """Delete checkpoints beyond the newest ``keep_last`` and leftovers of interrupted saves."""
+    names = os.listdir(save_dir)
+    for name in names:
+        if ".tmp-" in name and name != current_tmp or ".old-" in name:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    if keep_last is None:
+        return
+    steps = sorted((int(m.group(1)), n) for n in names if (m := _TAG.match(n)))
+    for _, name in steps[:-keep_last]:
+        if name != keep:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def read_latest(load_dir: str) -> str | None:
+    """The tag in ``load_dir/latest``; None when the directory holds no checkpoint yet."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            tag = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint marker {path} is unreadable ({e}); write the tag to load into it") from None
+    if not tag or "/" in tag or "\n" in tag:
+        raise CheckpointError(f"checkpoint marker {path} is empty or malformed ({tag[:40]!r}); write the tag of a "
+                              "complete checkpoint (e.g. global_step100) into it")
+    return tag
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} is missing (named by 'latest'); point 'latest' at "
+                              "an existing checkpoint")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: not a complete Megatron-Frontier checkpoint")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt ({e})") from None
+
+
+def validate_files(ckpt_dir: str) -> None:
+    """Collective: the ranks share the checkpoint's files round-robin and open each one with the safe
+    loader (mmap: headers and pickles only), so a missing, truncated or corrupt file becomes the same
+    one-line error on every rank, before DeepSpeed starts collectives that would hang on it."""
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".pt"))
+    err = None
+    if not files:
+        err = f"checkpoint directory {ckpt_dir} holds no .pt files"
+    for name in files[rank::world]:
+        if err:
+            break
+        try:
+            safe_io.safe_load(os.path.join(ckpt_dir, name), mmap=True)
+        except CheckpointError as e:
+            err = str(e)
+    errors = [None] * world
+    tdist.all_gather_object(errors, err)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: CheckpointSettings) -> Resume | None:
+    """Before deepspeed.initialize: when ``--load`` names a full-state directory (any layout; see
+    full_state.py), copy this rank's shards into ``model``. Returns None for a DeepSpeed checkpoint."""
+    if not settings.load or not is_full_state(settings.load):
+        return None
+    full, meta = read_full_state(settings.load)
+    check_model_shape(meta["model"], run, settings.load)
+    load_into_model(model, full, run.model.num_layers, pstate.tp.size, pstate.tp.rank, settings.load)
+    if settings.finetune:
+        return Resume(0, 0, settings.load)
+    return Resume(int(meta.get("iteration", 0)), int(meta.get("consumed_samples", 0)), settings.load,
+                  int(meta.get("lr_num_steps", meta.get("iteration", 0))))
+
+
+def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: CheckpointSettings,
+                    full: Resume | None = None) -> Resume:
+    """Collective. Restores weights, optimizer, LR schedule, RNG states, iteration and consumed samples
+    (as the flags allow). Without a checkpoint in ``--load`` the run starts from scratch. ``full``: what
+    ``load_full_state`` returned (the weights are in already; only the LR position is left to set)."""
+    if full is not None:
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict({"num_steps": full.lr_num_steps})
+        _say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
+             f"{full.consumed_samples} (optimizer and RNG start fresh)")
+        return full
+    if not settings.load:
+        return Resume()
+    if not os.path.isdir(settings.load):
+        raise CheckpointError(f"--load {settings.load}: directory not found; create it or drop --load")
+    tag = read_latest(settings.load)
+    if tag is None:
+        if _rank0():
+            print(f"> no checkpoint in {settings.load} (no '{LATEST}' file): starting from scratch", flush=True)
+        return Resume()
+    ckpt_dir = os.path.join(settings.load, tag)
+    meta = read_meta(ckpt_dir)
+    load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
+    check_resume(meta, run, load_optim, ckpt_dir)
+    validate_files(ckpt_dir)
+    safe_io.install(engine)
+    path, client = engine.load_checkpoint(settings.load, tag=tag, load_optimizer_states=load_optim,
+                                          load_lr_scheduler_states=not settings.finetune,
+                                          load_module_only=settings.finetune)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}; check that its files are complete")
+    if settings.finetune:
+        _say(f"> loaded weights from {ckpt_dir} (--finetune: iteration, optimizer and RNG start fresh)")
+        return Resume(0, 0, ckpt_dir)
+    rng = None
+    if not settings.no_load_rng:
+        rng = rng_for_rank(client["rng_states"], pstate.dp.rank, pstate.dp.size)
+        if rng is None:
+            _say(f"> WARNING: {ckpt_dir} was saved with {len(client['rng_states'])} data-parallel ranks, now "
+                 f"{pstate.dp.size}: RNG states not restored (dropout masks will differ from a straight run)")
+    _say(f"> loaded {ckpt_dir}: iteration {client['iteration']}, consumed samples {client['consumed_samples']}"
+         f"{'' if load_optim else ' (optimizer not loaded)'}")
+    return Resume(int(client["iteration"]), int(client["consumed_samples"]), ckpt_dir, rng=rng)
+
+
+def _say(msg: str) -> None:
+    if _rank0():
+        print(msg, flush=True)

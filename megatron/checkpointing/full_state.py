@@ -1,0 +1,181 @@
+"""The full (unsharded) model: merge a DeepSpeed checkpoint of any TP/PP/ZeRO layout into one state dict
+under GPTModel's parameter names, and shard such a state dict into a model of any layout.
+
+Canonical names are GPTModel's (``embedding.word_embeddings.weight``, ``layers.N.mlp.dense_h_to_4h.weight``,
+``output_layer.linear.weight``, ...). Vocabulary rows are stored *unpadded* (``vocab_size`` rows), because the
+padding depends on the TP size (Megatron pads to a multiple of divisible-by x TP).
+
+A "full-state" directory (written by tools/reshard_checkpoint.py and tools/convert_hf_to_megatron.py) holds
+``model.safetensors`` plus ``full_state.json`` (model config, iteration, consumed samples, LR position) and
+can be passed to ``--load`` at any layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tempfile
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from megatron.checkpointing.safe_io import atomic_write_text, fsync_file, safe_load
+from megatron.errors import CheckpointError
+
+FULL_STATE_META = "full_state.json"
+FULL_STATE_WEIGHTS = "model.safetensors"
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.linear.weight")
+
+
+def canonical_name(name: str, num_layers: int) -> str | None:
+    """GPTModel's name for a parameter of GPTModel or GPTModelPipe (None: not a stored weight)."""
+    if name.startswith("tied_modules.embed."):
+        name = "0." + name[len("tied_modules.embed."):]
+    m = re.match(r"^(\d+)\.(.+)$", name)
+    if not m:
+        return name
+    idx, rest = int(m.group(1)), m.group(2)
+    if idx == 0:
+        return None if rest.startswith("head.") else f"embedding.{rest}"
+    if idx <= num_layers:
+        return f"layers.{idx - 1}.{rest}"
+    return f"final_layernorm.{rest}" if idx == num_layers + 1 else f"output_layer.{rest}"
+
+
+def partition_table(module: torch.nn.Module, num_layers: int) -> dict[str, list[int]]:
+    """{canonical name: [partition_dim, stride]} of this rank's TP-sharded parameters."""
+    return {canonical_name(n, num_layers): [int(p.partition_dim), int(getattr(p, "partition_stride", 1))]
+            for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)
+            and canonical_name(n, num_layers) is not None}
+
+
+def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of ``shard_tensor``: each shard holds its slice of each of ``stride`` stacked blocks."""
+    if len(shards) == 1:
+        return shards[0]
+    blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([b[k] for b in blocks], dim=dim) for k in range(stride)], dim=dim)
+
+
+def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
+    """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
+    p = meta["run"]["parallel"]
+    tp, pp, zero = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["zero_stage"]
+    nl = meta["run"]["model"]["num_layers"]
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    if pp > 1:
+        files = sorted(glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")))
+        if not files:
+            raise CheckpointError(f"checkpoint {ckpt_dir} has no pipeline layer files (layer_*-model_states.pt)")
+        for f in files:
+            m = re.match(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt$", os.path.basename(f))
+            idx, rank = int(m.group(1)), int(m.group(2) or 0)
+            for k, v in safe_load(f).items():
+                name = canonical_name(f"{idx}.{k}", nl)
+                if name is not None and v is not None:
+                    states[rank][name] = v
+        return states
+    for rank in range(tp):
+        if zero == 3:
+            module = _zero3_module(ckpt_dir, rank)
+        else:
+            module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
+        states[rank] = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
+    return states
+
+
+def _zero3_module(ckpt_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
+    """ZeRO-3 keeps weights only in the fp32 optimizer partitions: gather them with DeepSpeed's own
+    zero_to_fp32, one TP rank at a time (it globs every *_optim_states.pt file of a directory, so the
+    files of this TP rank are linked into a scratch directory first). zero_to_fp32 unpickles with
+    weights_only=False: only run it on checkpoints you trust (this function validates them first)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    mine = [f for f in os.listdir(ckpt_dir) if f.endswith(".pt") and f"mp_rank_{tp_rank:02d}" in f]
+    for f in mine:
+        safe_load(os.path.join(ckpt_dir, f), mmap=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "t"))
+        for f in mine:
+            os.symlink(os.path.abspath(os.path.join(ckpt_dir, f)), os.path.join(tmp, "t", f.replace(
+                f"mp_rank_{tp_rank:02d}", "mp_rank_00")))
+        return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t")
+
+
+def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The full model of a DeepSpeed checkpoint directory (``DIR/global_stepN``), vocab unpadded."""
+    table = meta.get("partition_table")
+    if table is None:
+        raise CheckpointError(f"checkpoint file {os.path.join(ckpt_dir, 'megatron_meta.json')} has no partition "
+                              "table: not written by megatron/checkpointing")
+    states = _tp_rank_states(ckpt_dir, meta)
+    full = {}
+    for name in states[0]:
+        if name in table:
+            dim, stride = table[name]
+            full[name] = merge_tp([s[name] for s in states], dim, stride)
+        else:
+            full[name] = states[0][name]
+    vocab = meta["run"]["model"]["vocab_size"]
+    for name in VOCAB_PARAMS:
+        if name in full:
+            full[name] = full[name][:vocab]
+    return {k: v.detach().clone().contiguous() for k, v in full.items()}
+
+
+def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_layers: int, tp_size: int,
+                    tp_rank: int, source: str) -> None:
+    """Copy this rank's shard of every full tensor into ``module`` (GPTModel or a GPTModelPipe stage),
+    padding the vocabulary rows with zeros to the module's padded size. Call before deepspeed.initialize."""
+    from megatron.core.tensor_parallel.layers import shard_tensor
+
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            name = canonical_name(n, num_layers)
+            if name is None:
+                continue
+            if name not in full:
+                raise CheckpointError(f"{source} has no tensor {name}: it was saved from a different model variant")
+            t = full[name]
+            sharded = getattr(p, "tensor_model_parallel", False)
+            dim = int(p.partition_dim) if sharded else 0
+            if name in VOCAB_PARAMS:
+                rows = p.shape[0] * (tp_size if sharded else 1)
+                t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+            if sharded:
+                t = shard_tensor(t, dim, tp_size, tp_rank, int(getattr(p, "partition_stride", 1)))
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)} for this rank, the model expects "
+                                      f"{tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+
+
+def save_full_state(out_dir: str, full: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write a full-state directory: safetensors weights, then the JSON that marks it complete."""
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, FULL_STATE_WEIGHTS)
+    save_file({k: v.contiguous() for k, v in full.items()}, weights)
+    fsync_file(weights)
+    atomic_write_text(os.path.join(out_dir, FULL_STATE_META), json.dumps(meta, indent=1, sort_keys=True))
+
+
+def is_full_state(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, FULL_STATE_META))
+
+
+def read_full_state(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    meta_path, weights = os.path.join(path, FULL_STATE_META), os.path.join(path, FULL_STATE_WEIGHTS)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {meta_path} is unreadable ({e})") from None
+    if not os.path.isfile(weights):
+        raise CheckpointError(f"checkpoint file {weights} is missing")
+    try:
+        return load_file(weights), meta
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {weights} is corrupt or truncated ({str(e).splitlines()[0]})") from None

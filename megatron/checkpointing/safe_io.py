@@ -1,0 +1,104 @@
+"""Durable writes and safe reads for checkpoint files.
+
+Every ``.pt`` file is read with ``torch.load(weights_only=True)``: the restricted unpickler builds only
+tensors, containers and a short allowlist of DeepSpeed's own plain classes, so a checkpoint from an
+untrusted place cannot run code. Any failure to read becomes a one-line ``CheckpointError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import zipfile
+
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from megatron.errors import CheckpointError
+
+
+def _deepspeed_safe_globals() -> list:
+    """The classes DeepSpeed 0.19 pickles into its own files (found by loading real ZeRO-0..3 and bf16
+    checkpoints with weights_only=True). Each is a plain data holder: no ``__reduce__`` that runs code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str, map_location="cpu", mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` with DeepSpeed's allowlist; errors name the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; load an older one "
+                              "(edit the 'latest' file) or start without --load")
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f"the disallowed global {found.group(1)}" if found else "content that is not plain tensors/data"
+        raise CheckpointError(f"checkpoint file {path} holds {what}; refusing to unpickle it "
+                              "(a checkpoint must not be able to run code)") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({first}); "
+                              "load an older checkpoint (edit the 'latest' file)") from None
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new directory entry durable (the directory itself must be synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; rename is still atomic there
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees either the old or the new content, never half."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, but every save is fsynced before the save returns and every
+    load is ``weights_only``. Installed on the engine by ``install``; DeepSpeed routes its model, ZeRO and
+    pipeline-layer files through ``engine.checkpoint_engine``."""
+
+    drop_optimizer = False
+    """--no-save-optim under ZeRO-0: DeepSpeed keeps the optimizer inside the model file; write None there."""
+
+    def save(self, state_dict, path: str) -> None:
+        if self.drop_optimizer and isinstance(state_dict, dict) and state_dict.get("optimizer") is not None:
+            state_dict = {**state_dict, "optimizer": None}
+        super().save(state_dict, path)
+        fsync_file(path)
+
+    def load(self, path: str, map_location=None):
+        return safe_load(path, map_location=map_location)
+
+
+def install(engine) -> SafeCheckpointEngine:
+    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
+        engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
+    return engine.checkpoint_engine

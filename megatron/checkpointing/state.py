@@ -1,0 +1,111 @@
+"""What a checkpoint records besides weights: RNG states, the run's arguments as plain data, and the
+checks that decide whether a checkpoint may be resumed under the current flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from megatron.config import RunConfig
+from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.errors import CheckpointError, ConfigError
+
+# Model fields that change a parameter's shape or meaning: a checkpoint cannot be resumed across them.
+SHAPE_FIELDS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_key_value_heads": "--num-key-value-heads",
+    "max_position_embeddings": "--max-position-embeddings", "vocab_size": "--vocab-size/tokenizer",
+    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by", "normalization": "--normalization",
+    "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "add_bias_linear": "--disable-bias-linear",
+}
+
+
+def rng_state() -> dict:
+    """This rank's RNG states as tensors and plain Python data (safe for weights_only loading)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+        "accelerator": get_accelerator().get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+    get_rng_tracker().set_states(state["tracker"])
+
+
+def _tuples(x):
+    """random.setstate wants tuples; a round trip through some serialisers gives lists."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def plain_args(args: argparse.Namespace) -> dict:
+    """The parsed flags as JSON-able data (no pickled objects in checkpoints)."""
+    return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
+def plain_run(run: RunConfig) -> dict:
+    return dataclasses.asdict(run)
+
+
+def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> None:
+    """Refuse a checkpoint whose model shape or layout differs from this run's; allow the rest
+    (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata."""
+    check_model_shape(saved["run"]["model"], run, where)
+    p = saved["run"]["parallel"]
+    for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                      ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+        if p[key] != getattr(run.parallel, key):
+            raise ConfigError(f"--load {where}: saved with {flag} {p[key]}, now {getattr(run.parallel, key)}. "
+                              "Keep the layout, or convert it first: python tools/reshard_checkpoint.py "
+                              f"--load {where} --save NEW_DIR (see megatron/checkpointing/README_SECTION.md)")
+    if not load_optim:
+        return
+    saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
+    if p["zero_stage"] > 0 and saved_dp != run.parallel.dp:
+        raise ConfigError(f"--load {where}: ZeRO-{p['zero_stage']} optimizer state is partitioned over "
+                          f"data-parallel size {saved_dp}, now {run.parallel.dp}. Launch the same DP size, or pass "
+                          "--no-load-optim to restart the optimizer from the saved weights")
+    if p["zero_stage"] != run.parallel.zero_stage:
+        raise ConfigError(f"--load {where}: saved with --zero-stage {p['zero_stage']}, now "
+                          f"{run.parallel.zero_stage}. Use the same stage, or pass --no-load-optim")
+    prec = saved["run"]["precision"]
+    for name in ("fp16", "bf16"):
+        if prec[name] != getattr(run.precision, name):
+            raise ConfigError(f"--load {where}: saved with --{name} {'on' if prec[name] else 'off'}, now "
+                              f"{'on' if getattr(run.precision, name) else 'off'}. Use the same precision, or "
+                              "pass --no-load-optim")
+
+
+def check_model_shape(model: dict, run: RunConfig, where: str) -> None:
+    """Refuse a checkpoint whose model fields in ``SHAPE_FIELDS`` differ from this run's, naming them."""
+    now = dataclasses.asdict(run.model)
+    changed = [f"{flag} ({model[k]} in the checkpoint, {now[k]} now)" for k, flag in SHAPE_FIELDS.items()
+               if k in model and model[k] != now[k]]
+    if changed:
+        raise ConfigError(f"--load {where}: the checkpoint was trained with a different model shape: "
+                          f"{'; '.join(changed)}. Use the checkpoint's values for these flags")
+
+
+def rng_for_rank(states: list, dp_rank: int, dp_size: int) -> dict | None:
+    """The saved RNG state of this DP index, or None (with the reason) when the DP size changed."""
+    if len(states) != dp_size:
+        return None
+    if not 0 <= dp_rank < len(states):
+        raise CheckpointError(f"RNG state list has {len(states)} entries, no entry for DP rank {dp_rank}")
+    return states[dp_rank]

@@ -1,0 +1,78 @@
+"""When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins, SIGTERM/SIGUSR1
+from Slurm (``#SBATCH --signal=USR1@120``) and persistent non-finite losses.
+
+A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
+small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
+alone would hang in DeepSpeed's collectives).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core import comm
+from megatron.errors import TrainingError
+
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Decision:
+    save: bool = False
+    exit: bool = False
+    reason: str = ""
+
+
+class RunControl:
+    def __init__(self, save_interval: int | None, exit_interval: int | None, exit_duration_mins: float | None,
+                 max_nonfinite: int, saving: bool) -> None:
+        self.save_interval, self.exit_interval = save_interval, exit_interval
+        self.exit_duration_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
+        self.max_nonfinite, self.saving = max_nonfinite, saving
+        self.start = time.monotonic()
+        self.signal_received: int | None = None
+        self.nonfinite_run = 0
+        self._previous = {}
+        for sig in EXIT_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. some test harnesses): signals stay default
+                pass
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = signum
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def after_iteration(self, it: int, loss: float) -> Decision:
+        """Collective over all ranks. Raises TrainingError after ``max_nonfinite`` consecutive iterations
+        whose loss is NaN/Inf on any rank; never asks to save while the latest loss is non-finite."""
+        timed_out = self.exit_duration_s is not None and time.monotonic() - self.start > self.exit_duration_s
+        flags = torch.tensor([float(self.signal_received is not None), float(timed_out),
+                              float(not math.isfinite(loss))], dtype=torch.float64)
+        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        got_signal, timed_out, nonfinite = (bool(v) for v in flags.tolist())
+        if nonfinite:
+            self.nonfinite_run += 1
+            if self.nonfinite_run >= self.max_nonfinite:
+                raise TrainingError(
+                    f"lm loss is NaN/Inf at iteration {it} ({self.nonfinite_run} consecutive non-finite iterations, "
+                    f"--max-nonfinite-loss-iters {self.max_nonfinite}); stopped without saving a checkpoint: "
+                    "resume from the last one with a lower --lr or more warmup")
+            return Decision()  # a poisoned state is never saved, and one bad step alone does not stop the run
+        self.nonfinite_run = 0
+        if got_signal:
+            return Decision(self.saving, True, "signal (SIGTERM/SIGUSR1)")
+        if timed_out:
+            return Decision(self.saving, True, f"--exit-duration-in-mins {self.exit_duration_s / 60:g}")
+        if self.exit_interval and it % self.exit_interval == 0:
+            return Decision(self.saving, True, f"--exit-interval {self.exit_interval}")
+        return Decision(self.saving and bool(self.save_interval) and it % self.save_interval == 0)

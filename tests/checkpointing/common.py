@@ -1,0 +1,26 @@
+"""Helpers for the checkpoint tests: run pretrain_gpt.py's providers through ``pretrain`` on fresh
+spawned ranks and get the exact per-iteration losses back (the log prints only 7 digits)."""
+
+from __future__ import annotations
+
+from tests.launcher import run_distributed
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "2",
+        "--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "32", "--log-interval", "1",
+        "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo"]
+LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--num-key-value-heads", "2"]
+
+
+def _pretrain(argv: list[str]) -> dict:
+    import pretrain_gpt
+    from megatron.training.pretrain import Providers, pretrain
+
+    return pretrain(argv, Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                                    pretrain_gpt.forward_step, pretrain_gpt.vocab_size))
+
+
+def pretrain_on(world: int, argv: list[str], timeout: float = 240.0) -> dict:
+    """Rank 0's summary of one pretrain run on ``world`` fresh processes."""
+    return run_distributed(_pretrain, world, timeout=timeout, argv=argv)[0]
