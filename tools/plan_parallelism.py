@@ -222,7 +222,7 @@ def write_plot(path: str, everything: list[Candidate], ranked: list[Candidate], 
     for term in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer"):
         vals = [c.time.terms()[term] for c in rows]
         ax2.barh(names, vals, left=left, label=term)
-        left = [a + b for a, b in zip(left, vals)]
+        left = [a + b for a, b in zip(left, vals, strict=True)]
     ax2.invert_yaxis()
     ax2.tick_params(axis="y", labelsize=7)
     ax2.set(xlabel="seconds per step", title=f"step-time terms of the top {len(rows)}")

@@ -170,8 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="run and predict in bf16 (default fp32, as on CPU)")
     p.add_argument("--train-iters", type=int, default=6)
     p.add_argument("--log-interval", type=int, default=2)
-    p.add_argument("--launcher", default=f"{shlex.quote(sys.executable)} -m torch.distributed.run --nproc-per-node {{n}}",
-                   help="command prefix; {n} is the number of processes")
+    torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run --nproc-per-node {{n}}"
+    p.add_argument("--launcher", default=torchrun, help="command prefix; {n} is the number of processes")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--bayesian-trials", type=int, default=0)

@@ -24,6 +24,7 @@ model FLOPs only. ``calibrate_efficiency()`` re-derives the constant; a unit tes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
@@ -180,3 +181,29 @@ def calibrate_efficiency(target: float = CALIBRATION_TARGET, tol: float = 1e-6) 
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+ZERO_MODES: dict[str, dict] = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2},
+                               "zero3": {"zero_stage": 3}}
+"""Name -> Layout fields of each ZeRO mode compared by ``step_time_by_zero_mode``. Callers add their own modes
+(e.g. ``{"zero3-hpz8": {"zero_stage": 3, "zero_hierarchy": 8}}``) through its ``modes`` argument."""
+
+
+def step_time_by_zero_mode(model: ModelConfig, layout: Layout,
+                           modes: dict[str, dict] | None = None) -> dict[str, StepTime]:
+    """Predicted step time of ``layout`` under each ZeRO mode (same TP/PP/DP, batch and recompute).
+
+    The hook for comparing ZeRO variants on one layout: a mode is a set of Layout field overrides, so a new
+    variant (a hierarchy field on Layout, say) needs only a new entry. Modes the layout cannot run (ZeRO-2/3 with
+    a pipeline, hpZ sizes that do not divide DP) are left out rather than raising.
+    """
+    from megatron.errors import ConfigError
+
+    out = {}
+    for name, fields in (ZERO_MODES if modes is None else modes).items():
+        try:
+            variant = dataclasses.replace(layout, **fields)
+        except ConfigError:
+            continue
+        out[name] = estimate_step_time(model, variant)
+    return out

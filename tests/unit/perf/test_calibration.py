@@ -11,7 +11,9 @@ from megatron.perf.step_time import (
     COMPUTE_EFFICIENCY,
     calibrate_efficiency,
     calibration_case,
+    ZERO_MODES,
     estimate_step_time,
+    step_time_by_zero_mode,
 )
 
 
@@ -49,3 +51,19 @@ def test_more_microbatches_shrink_the_bubble():
     big = estimate_step_time(model, layout)
     assert small.bubble / small.total > big.bubble / big.total
     assert small.percent_of_peak < big.percent_of_peak
+
+
+def test_step_time_by_zero_mode_hook():
+    """Same layout, one prediction per ZeRO mode; invalid modes (ZeRO-2/3 under a pipeline) are left out."""
+    model, layout = calibration_case()
+    piped = step_time_by_zero_mode(model, layout)
+    assert set(piped) == {"zero0", "zero1"}
+    assert piped["zero1"].total == pytest.approx(estimate_step_time(model, layout).total)
+    flat = dataclasses.replace(layout, pp=1, dp=16, global_batch_size=64)
+    modes = step_time_by_zero_mode(model, flat, {**ZERO_MODES, "zero3-hpz8": {"zero_stage": 3, "zero_hierarchy": 8},
+                                                 "bad-hpz": {"zero_stage": 3, "zero_hierarchy": 3}})
+    assert set(modes) == {"zero0", "zero1", "zero2", "zero3", "zero3-hpz8"}
+    # ZeRO-3 moves more bytes per step than ZeRO-1 (weights every micro-batch); hpZ moves its backward
+    # re-gather (if any) inside the node, so it is never slower than plain ZeRO-3.
+    assert modes["zero3"].dp_comm > modes["zero1"].dp_comm
+    assert modes["zero3-hpz8"].total <= modes["zero3"].total + 1e-12

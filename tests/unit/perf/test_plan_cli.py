@@ -13,9 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tools"))
 
-import plan_parallelism
+import plan_parallelism  # noqa: E402
 
-from megatron.errors import run_cli
+from megatron.errors import run_cli  # noqa: E402
 
 BEST = re.compile(r"^best: TP=(\d+) PP=(\d+) DP=(\d+) MBS=(\d+) ZeRO=([0-3]) \| TFLOPs per GCD: (\d+\.\d) \| "
                   r"percent of peak: (\d+\.\d\d)$")
@@ -41,7 +41,8 @@ def test_search_prints_table_plot_config_and_best_line(tmp_path, capsys):
     assert lines[-2].startswith("sbatch: sbatch -N 2 ") and f"--tensor-model-parallel-size {tp} " in lines[-2]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ds = json.loads(cfg.read_text())
-    assert ds["train_batch_size"] == 640 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * dp
+    per_replica = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    assert ds["train_batch_size"] == 640 == per_replica * dp
     assert ds["zero_optimization"]["stage"] == zero and ds["bf16"]["enabled"]
     assert sum(1 for line in lines if re.match(r"^\s+\d+ TP=", line)) == 5
 
