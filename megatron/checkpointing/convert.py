@@ -1,0 +1,81 @@
+"""Conversions between checkpoint kinds (used by tools/): DeepSpeed checkpoint of any layout -> full state
+-> HF directory, HF directory -> full state. A full state loads at any TP/PP/ZeRO layout via ``--load``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron.checkpointing.checkpoint import read_latest, read_meta
+from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
+from megatron.checkpointing.hf import from_hf, to_hf
+from megatron.checkpointing.safe_io import atomic_write_text, fsync_file
+from megatron.errors import CheckpointError
+
+
+def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(full state, model config fields, progress {iteration, consumed_samples, lr_num_steps}) of a
+    ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
+    if is_full_state(path):
+        full, meta = read_full_state(path)
+        return full, meta["model"], {k: meta.get(k, 0) for k in ("iteration", "consumed_samples", "lr_num_steps")}
+    if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
+        tag = read_latest(path)
+        if tag is None:
+            raise CheckpointError(f"{path}: no 'latest' file and no megatron_meta.json: not a checkpoint directory")
+    ckpt_dir = os.path.join(path, tag) if tag else path
+    meta = read_meta(ckpt_dir)
+    progress = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
+    return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
+
+
+def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str) -> None:
+    save_full_state(out_dir, full, {"model": model, "source": source, **progress,
+                                    "format": "megatron-frontier/full-state-v1"})
+
+
+def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict) -> dict:
+    """safetensors + config.json that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads."""
+    hf, config = to_hf(full, model)
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
+    fsync_file(weights)
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True))
+    return config
+
+
+def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """A local HF model directory (config.json + model.safetensors or a sharded safetensors index)."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} is missing: pass a local HF model directory")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{hf_dir} has no model.safetensors (pytorch_model.bin is not read: it is a pickle)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(hf_dir, name)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises several error types; all mean a bad file
+            raise CheckpointError(f"checkpoint file {os.path.join(hf_dir, name)} is unreadable "
+                                  f"({str(e).splitlines()[0]})") from None
+    return {k: v.float() for k, v in state.items()}, config
+
+
+def hf_to_full_state(hf_dir: str, out_dir: str) -> dict:
+    hf, config = read_hf(hf_dir)
+    full, model = from_hf(hf, config)
+    write_full_state(out_dir, full, model, {"iteration": 0, "consumed_samples": 0, "lr_num_steps": 0}, hf_dir)
+    return model

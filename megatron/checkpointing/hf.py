@@ -1,0 +1,197 @@
+"""Our full state dict <-> HF transformers: GPT2LMHeadModel (GPT-2 variant) and LlamaForCausalLM (Llama variant).
+
+Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py):
+- GPT-2's c_attn / c_proj / c_fc are ``Conv1D``: weights are stored [in, out], the transpose of nn.Linear.
+  c_attn's output is [all q heads | all k heads | all v heads]; GELU ``"gelu"`` is the exact erf form (ours).
+- Llama's q/k/v/o and gate/up/down are nn.Linear ([out, in]); its rotary is rotate-half (ours), so q and k
+  need no permutation. RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
+- Our fused QKV is laid out per KV group: [q_1 .. q_g, k, v] for each KV head (g = heads / kv heads);
+  our SwiGLU fc1 is [gate; up].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.errors import ConfigError
+
+GPT2, LLAMA = "gpt2", "llama"
+
+
+def variant(model: dict) -> str:
+    """Which HF class a model config maps to, or a ConfigError naming the mismatching fields."""
+    gpt2 = (model["normalization"] == "layernorm" and not model["swiglu"]
+            and model["position_embedding_type"] == "learned_absolute")
+    llama = model["normalization"] == "rmsnorm" and model["swiglu"] and model["position_embedding_type"] == "rope"
+    if gpt2 and model["num_key_value_heads"] == model["num_attention_heads"]:
+        return GPT2
+    if llama:
+        return LLAMA
+    raise ConfigError("no HF class for this model: GPT2LMHeadModel needs layernorm + GELU + learned positions + "
+                      "no GQA; LlamaForCausalLM needs rmsnorm + --swiglu + rope "
+                      f"(got {model['normalization']}, swiglu={model['swiglu']}, {model['position_embedding_type']}, "
+                      f"kv heads {model['num_key_value_heads']}/{model['num_attention_heads']})")
+
+
+def _split_qkv(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our grouped [nkv, g+2, d, ...] QKV rows -> q [nq*d, ...], k [nkv*d, ...], v [nkv*d, ...]."""
+    nq, nkv = m["num_attention_heads"], m["num_key_value_heads"]
+    d, g = m["hidden_size"] // nq, nq // nkv
+    x = w.reshape(nkv, g + 2, d, *w.shape[1:])
+    return (x[:, :g].reshape(nq * d, *w.shape[1:]), x[:, g].reshape(nkv * d, *w.shape[1:]),
+            x[:, g + 1].reshape(nkv * d, *w.shape[1:]))
+
+
+def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> torch.Tensor:
+    nq, nkv = m["num_attention_heads"], m["num_key_value_heads"]
+    d, g = m["hidden_size"] // nq, nq // nkv
+    rest = q.shape[1:]
+    x = torch.cat([q.reshape(nkv, g, d, *rest), k.reshape(nkv, 1, d, *rest), v.reshape(nkv, 1, d, *rest)], dim=1)
+    return x.reshape((nq + 2 * nkv) * d, *rest)
+
+
+def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(HF state dict, HF config.json dict) for our full state ``full`` with model config ``m``."""
+    kind = variant(m)
+    out: dict[str, torch.Tensor] = {}
+    h, nl = m["hidden_size"], m["num_layers"]
+    tied = not m["untie_embeddings_and_output_weights"]
+    if kind == GPT2:
+        bias = m["add_bias_linear"]
+        out["transformer.wte.weight"] = full["embedding.word_embeddings.weight"]
+        out["transformer.wpe.weight"] = full["embedding.position_embeddings"]
+        for i in range(nl):
+            src, dst = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+                out[f"{dst}{theirs}.weight"] = full[f"{src}{ours}.weight"]
+                out[f"{dst}{theirs}.bias"] = full[f"{src}{ours}.bias"]
+            qkv = full[f"{src}self_attention.query_key_value.weight"]
+            out[f"{dst}attn.c_attn.weight"] = torch.cat(_split_qkv(qkv, m)).t()
+            qkv_b = full.get(f"{src}self_attention.query_key_value.bias") if bias else None
+            out[f"{dst}attn.c_attn.bias"] = torch.cat(_split_qkv(qkv_b, m)) if bias else qkv.new_zeros(3 * h)
+            out[f"{dst}attn.c_proj.weight"] = full[f"{src}self_attention.dense.weight"].t()
+            out[f"{dst}attn.c_proj.bias"] = full[f"{src}self_attention.dense.bias"] if bias else qkv.new_zeros(h)
+            fc1 = full[f"{src}mlp.dense_h_to_4h.weight"]
+            out[f"{dst}mlp.c_fc.weight"] = fc1.t()
+            out[f"{dst}mlp.c_fc.bias"] = full[f"{src}mlp.dense_h_to_4h.bias"] if bias else fc1.new_zeros(fc1.shape[0])
+            out[f"{dst}mlp.c_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"].t()
+            out[f"{dst}mlp.c_proj.bias"] = full[f"{src}mlp.dense_4h_to_h.bias"] if bias else qkv.new_zeros(h)
+        out["transformer.ln_f.weight"] = full["final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = full["final_layernorm.bias"]
+        if not tied:
+            out["lm_head.weight"] = full["output_layer.linear.weight"]
+        config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
+                  "n_positions": m["max_position_embeddings"], "n_embd": h, "n_layer": nl,
+                  "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"], "activation_function": "gelu",
+                  "layer_norm_epsilon": m["layernorm_epsilon"], "resid_pdrop": m["hidden_dropout"],
+                  "embd_pdrop": m["hidden_dropout"], "attn_pdrop": m["attention_dropout"],
+                  "initializer_range": m["init_method_std"], "tie_word_embeddings": tied, "torch_dtype": "float32"}
+        return {k: v.contiguous() for k, v in out.items()}, config
+    bias = m["add_bias_linear"]
+    out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"]
+    f = m["ffn_hidden_size"]
+    for i in range(nl):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        out[f"{dst}input_layernorm.weight"] = full[f"{src}input_layernorm.weight"]
+        out[f"{dst}post_attention_layernorm.weight"] = full[f"{src}post_attention_layernorm.weight"]
+        for name, t in zip(("q_proj", "k_proj", "v_proj"),
+                           _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
+            out[f"{dst}self_attn.{name}.weight"] = t
+        if bias:
+            for name, t in zip(("q_proj", "k_proj", "v_proj"),
+                               _split_qkv(full[f"{src}self_attention.query_key_value.bias"], m), strict=True):
+                out[f"{dst}self_attn.{name}.bias"] = t
+            out[f"{dst}self_attn.o_proj.bias"] = full[f"{src}self_attention.dense.bias"]
+            out[f"{dst}mlp.gate_proj.bias"], out[f"{dst}mlp.up_proj.bias"] = \
+                full[f"{src}mlp.dense_h_to_4h.bias"].split(f)
+            out[f"{dst}mlp.down_proj.bias"] = full[f"{src}mlp.dense_4h_to_h.bias"]
+        out[f"{dst}self_attn.o_proj.weight"] = full[f"{src}self_attention.dense.weight"]
+        gate, up = full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
+        out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = gate, up
+        out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
+    out["model.norm.weight"] = full["final_layernorm.weight"]
+    if not tied:
+        out["lm_head.weight"] = full["output_layer.linear.weight"]
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab_size"],
+              "hidden_size": h, "intermediate_size": f, "num_hidden_layers": nl,
+              "num_attention_heads": m["num_attention_heads"], "num_key_value_heads": m["num_key_value_heads"],
+              "max_position_embeddings": m["max_position_embeddings"], "rms_norm_eps": m["layernorm_epsilon"],
+              "rope_theta": m["rotary_base"], "hidden_act": "silu", "attention_bias": bias, "mlp_bias": bias,
+              "attention_dropout": m["attention_dropout"], "initializer_range": m["init_method_std"],
+              "tie_word_embeddings": tied, "torch_dtype": "float32"}
+    return {k: v.contiguous() for k, v in out.items()}, config
+
+
+def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our full state, our ModelConfig fields) from an HF GPT-2 or Llama state dict and config.json."""
+    mt = config.get("model_type")
+    if mt == "gpt2":
+        h, nl, nh = config["n_embd"], config["n_layer"], config["n_head"]
+        if config.get("activation_function", "gelu_new") != "gelu":
+            raise ConfigError(f"HF GPT-2 activation_function={config.get('activation_function', 'gelu_new')!r}: our "
+                              "GPT-2 variant uses the exact erf GELU ('gelu'); tanh GELU models would not match")
+        m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": nh, "num_key_value_heads": nh,
+             "ffn_hidden_size": config.get("n_inner") or 4 * h, "seq_length": config["n_positions"],
+             "max_position_embeddings": config["n_positions"], "vocab_size": config["vocab_size"],
+             "normalization": "layernorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+             "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5), "add_bias_linear": True,
+             "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True)}
+        full = {"embedding.word_embeddings.weight": hf["transformer.wte.weight"],
+                "embedding.position_embeddings": hf["transformer.wpe.weight"],
+                "final_layernorm.weight": hf["transformer.ln_f.weight"],
+                "final_layernorm.bias": hf["transformer.ln_f.bias"]}
+        for i in range(nl):
+            src, dst = f"transformer.h.{i}.", f"layers.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+                full[f"{dst}{ours}.weight"] = hf[f"{src}{theirs}.weight"]
+                full[f"{dst}{ours}.bias"] = hf[f"{src}{theirs}.bias"]
+            full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
+                *hf[f"{src}attn.c_attn.weight"].t().split(h), m)
+            full[f"{dst}self_attention.query_key_value.bias"] = _join_qkv(*hf[f"{src}attn.c_attn.bias"].split(h), m)
+            full[f"{dst}self_attention.dense.weight"] = hf[f"{src}attn.c_proj.weight"].t()
+            full[f"{dst}self_attention.dense.bias"] = hf[f"{src}attn.c_proj.bias"]
+            full[f"{dst}mlp.dense_h_to_4h.weight"] = hf[f"{src}mlp.c_fc.weight"].t()
+            full[f"{dst}mlp.dense_h_to_4h.bias"] = hf[f"{src}mlp.c_fc.bias"]
+            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.c_proj.weight"].t()
+            full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.c_proj.bias"]
+        head = "lm_head.weight"
+    elif mt == "llama":
+        h, nl = config["hidden_size"], config["num_hidden_layers"]
+        bias = bool(config.get("attention_bias", False))
+        if bias != bool(config.get("mlp_bias", False)):
+            raise ConfigError("HF Llama with attention_bias != mlp_bias: our --disable-bias-linear covers both")
+        m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": config["num_attention_heads"],
+             "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+             "ffn_hidden_size": config["intermediate_size"], "seq_length": config["max_position_embeddings"],
+             "max_position_embeddings": config["max_position_embeddings"], "vocab_size": config["vocab_size"],
+             "normalization": "rmsnorm", "swiglu": True, "position_embedding_type": "rope",
+             "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "rotary_base": config.get("rope_theta", 10000.0),
+             "add_bias_linear": bias, "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings")}
+        if config.get("rope_scaling"):
+            raise ConfigError(f"HF Llama rope_scaling={config['rope_scaling']}: not supported by our rotary embedding")
+        full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+                "final_layernorm.weight": hf["model.norm.weight"]}
+        for i in range(nl):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            a = f"{src}self_attn."
+            full[f"{dst}input_layernorm.weight"] = hf[f"{src}input_layernorm.weight"]
+            full[f"{dst}post_attention_layernorm.weight"] = hf[f"{src}post_attention_layernorm.weight"]
+            full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
+                hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m)
+            full[f"{dst}self_attention.dense.weight"] = hf[f"{a}o_proj.weight"]
+            full[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat([hf[f"{src}mlp.gate_proj.weight"],
+                                                                hf[f"{src}mlp.up_proj.weight"]])
+            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.down_proj.weight"]
+            if bias:
+                full[f"{dst}self_attention.query_key_value.bias"] = _join_qkv(
+                    hf[f"{a}q_proj.bias"], hf[f"{a}k_proj.bias"], hf[f"{a}v_proj.bias"], m)
+                full[f"{dst}self_attention.dense.bias"] = hf[f"{a}o_proj.bias"]
+                full[f"{dst}mlp.dense_h_to_4h.bias"] = torch.cat([hf[f"{src}mlp.gate_proj.bias"],
+                                                                  hf[f"{src}mlp.up_proj.bias"]])
+                full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.down_proj.bias"]
+        head = "lm_head.weight"
+    else:
+        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2' and 'llama' convert to this trainer's GPT")
+    if m["untie_embeddings_and_output_weights"]:
+        full["output_layer.linear.weight"] = hf[head]
+    return {k: v.contiguous() for k, v in full.items()}, m

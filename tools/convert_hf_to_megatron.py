@@ -1,0 +1,32 @@
+"""Import a local HF GPT-2 / Llama model directory as a full-state directory that ``pretrain_gpt.py --load``
+reads at any TP/PP/ZeRO layout (continue pretraining; the optimizer starts fresh).
+
+    python tools/convert_hf_to_megatron.py --hf HF_DIR --out FULL_STATE_DIR
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.errors import run_cli  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from megatron.checkpointing.convert import hf_to_full_state
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--hf", required=True, help="local directory with config.json and *.safetensors")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    m = hf_to_full_state(args.hf, args.out)
+    flags = (f"--num-layers {m['num_layers']} --hidden-size {m['hidden_size']} --num-attention-heads "
+             f"{m['num_attention_heads']} --num-key-value-heads {m['num_key_value_heads']} --ffn-hidden-size "
+             f"{m['ffn_hidden_size']} --max-position-embeddings {m['max_position_embeddings']}")
+    print(f"> wrote {args.out}; train with --load {args.out} and the matching shape flags: {flags}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
