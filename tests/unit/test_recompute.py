@@ -8,6 +8,7 @@ from megatron.config import ModelConfig
 from megatron.core.parallel_state import single_process_state
 from megatron.core.tensor_parallel.random import set_seeds
 from megatron.model.gpt_model import GPTModel
+from megatron.perf.saved_tensors import saved_activation_bytes
 
 TOL = 1e-6
 
@@ -61,29 +62,16 @@ def test_tracker_replay_is_what_makes_it_exact(monkeypatch):
     assert _max_diff(ref, _loss_and_grads(_cfg("selective"))) > 1e-4
 
 
-def saved_activation_bytes(cfg: ModelConfig) -> int:
-    """Bytes of distinct non-parameter storages autograd keeps from one forward for its backward."""
+def _saved_bytes(cfg: ModelConfig) -> int:
     torch.manual_seed(0)
     model = GPTModel(cfg, tp=single_process_state().tp, init_seed=3)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
-    loss.backward()
-    return sum(seen.values())
+    return saved_activation_bytes(model, lambda: model(tokens[:, :-1], tokens[:, 1:]).mean())
 
 
 def test_recompute_lowers_saved_activation_memory():
     shape = dict(num_layers=4, seq_length=128, vocab_size=120)
-    none, full, selective = (saved_activation_bytes(_cfg(g, **shape)) for g in (None, "full", "selective"))
+    none, full, selective = (_saved_bytes(_cfg(g, **shape)) for g in (None, "full", "selective"))
     print(f"\nsaved activation bytes: none {none}, full {full} ({full / none:.3f}x), "
           f"selective {selective} ({selective / none:.3f}x)")
     assert full < 0.35 * none
