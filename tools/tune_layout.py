@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -49,6 +50,12 @@ class Trial:
     error: str | None = None
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def parse_log(text: str) -> list[tuple[int, float, float]]:
     """(iteration, elapsed ms per iteration, TFLOPs) of every training log line."""
     return [(int(m[1]), float(m[2]), float(m[3])) for m in LOG_LINE.finditer(text)]
@@ -62,7 +69,7 @@ def measured_tflops(model: ModelConfig, layout: Layout, iteration_ms: float) -> 
 
 
 def command(model: ModelConfig, layout: Layout, args: argparse.Namespace) -> list[str]:
-    launcher = shlex.split(args.launcher.format(n=layout.world_size))
+    launcher = shlex.split(args.launcher.format(n=layout.world_size, port=free_port()))
     cmd = launcher + [os.path.join(ROOT, "pretrain_gpt.py"),
                       "--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
                       "--num-attention-heads", str(model.num_attention_heads), "--seq-length", str(model.seq_length),
@@ -166,12 +173,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--recompute", choices=["none", "full", "both"], default="both")
-    p.add_argument("--allow-pp", action="store_true", help="include PP > 1 (needs pipeline support in pretrain_gpt.py)")
+    p.add_argument("--pp-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--bf16", action="store_true", help="run and predict in bf16 (default fp32, as on CPU)")
     p.add_argument("--train-iters", type=int, default=6)
     p.add_argument("--log-interval", type=int, default=2)
-    torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run --nproc-per-node {{n}}"
-    p.add_argument("--launcher", default=torchrun, help="command prefix; {n} is the number of processes")
+    torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run --nproc-per-node {{n}} --master-port {{port}}"
+    p.add_argument("--launcher", default=torchrun,
+                   help="command prefix; {n} is the number of processes, {port} a free local port")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--bayesian-trials", type=int, default=0)
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> list[Trial]:
     rc = {"none": (None,), "full": ("full",), "both": (None, "full")}[args.recompute]
     space = SearchSpace(tp=tuple(args.tp_sizes), micro_batch_size=tuple(args.micro_batch_sizes),
                         zero_stage=tuple(args.zero_stages), recompute_granularity=rc,
-                        dtype="bf16" if args.bf16 else "fp32", pp=None if args.allow_pp else (1,))
+                        dtype="bf16" if args.bf16 else "fp32", pp=tuple(args.pp_sizes))
     fitting, _ = plan(model, args.gcds, args.global_batch_size, space)
     top = fitting[:args.top_k]
     print(f"> {len(fitting)} layouts fit; running the planner's top {len(top)} "
