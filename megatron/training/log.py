@@ -65,6 +65,8 @@ class TrainingLogger:
         seq = self.run.model.seq_length
         tokens_per_s = t.global_batch_size * seq / dt
         tflops = self.flops.total / dt / self.world / 1e12
+        # Megatron prints %.2f; tiny CPU runs need more digits for the tuner to rank them.
+        tflops_str = f"{tflops:.2f}" if tflops >= 1 else f"{tflops:.4f}"
         mfu = 100.0 * self.flops.model / dt / self.world / 1e12 / self.peak
         eta = (time.perf_counter() - self.start) / self.iters_done * (t.train_iters - it)
         mem = memory_gb()
@@ -77,7 +79,7 @@ class TrainingLogger:
             f"lm loss: {self.loss_sum:.6E} | loss scale: {scale} | grad norm: {norm} | "
             f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: 0 | "
             f"samples per second: {t.global_batch_size / dt:.3f} | tokens per second: {tokens_per_s:.1f} | "
-            f"tokens per gpu per second (tgs): {tokens_per_s / self.world:.1f} | TFLOPs: {tflops:.2f} | "
+            f"tokens per gpu per second (tgs): {tokens_per_s / self.world:.1f} | TFLOPs: {tflops_str} | "
             f"MFU: {mfu:.2f}% | recompute: {self.recompute} | mem (GB): {mem:.2f} | "
             f"ETA: {datetime.timedelta(seconds=int(eta))} |"
         )
