@@ -16,9 +16,9 @@ MODEL_KW = {"seq_length": 16, "vocab_size": 120}
 
 
 def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: dict | None = None,
-               weights: str = "node", levels: str = "package,node,network"):
-    """The RunConfig of one mode (fp32, clipping active, dropout off)."""
-    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+               weights: str = "node", levels: str = "package,node,network", bf16: bool = False):
+    """The RunConfig of one mode (fp32 unless ``bf16``, clipping active, dropout off)."""
+    from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
     from megatron.model.sizes import named_model
 
     kw = {"use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
@@ -31,6 +31,7 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
                                 zero_hierarchy_int8=mode == "ours-int8"),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=steps, seed=5),
+        precision=PrecisionConfig(bf16=bf16),
     ).validate()
 
 
@@ -67,7 +68,8 @@ def reference_losses(gbs: int, steps: int, model_kw: dict | None = None) -> list
 
 
 def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, counter, model_kw: dict | None,
-                weights: str, levels: str) -> dict:
+                weights: str, levels: str, bf16: bool = False, stop_after: int | None = None) -> dict:
+    """Train ``steps`` steps (or stop after ``stop_after`` of a ``steps``-long LR schedule)."""
     import deepspeed.comm as dist
 
     from megatron.core import comm
@@ -79,7 +81,7 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     from megatron.training.step import train_step
     from tests.distributed.perf_probe import ObserverCounter
 
-    run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels)
+    run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels, bf16)
     state = ParallelState.build(tp)
     model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
     ds = build_ds_config(run)
@@ -96,7 +98,7 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     remove = comm.add_observer(observer)
     counter.bytes.clear(), counter.calls.clear()
     losses = []
-    for step in range(steps):
+    for step in range(stop_after or steps):
         # Step 0 is warm-up (ZeRO-3 traces its fetch order): count the rest.
         counter.active = observer.active = step > 0
         res = train_step(engine, data, run.training.grad_accumulation_steps(state.dp.size))
@@ -108,7 +110,7 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     counts = dict(observer.bytes if mode.startswith("ours") else counter.bytes)
     del engine
     gc.collect()
-    return {"losses": losses, "counts": counts, "counted_steps": steps - 1}
+    return {"losses": losses, "counts": counts, "counted_steps": len(losses) - 1}
 
 
 def worker(jobs: list[dict], ranks_per_node: int) -> list[dict]:

@@ -57,7 +57,7 @@ def test_matches_zero3_composes_with_tp_and_cuts_network_bytes():
     # rank per node, each 1/4 of the padded fp32 buffer (1/(ranks per node)) per rank.
     placements = frontier_placement(8, 4)
     n_pad = _padded_params(1)
-    for rank, r in enumerate(ours):
+    for r in ours:
         net = {key: b / r["counted_steps"] for key, b in r["counts"].items()
                if len({placements[x].node_index for x in key[0]}) > 1}
         assert all(len({placements[x].node_index for x in ranks}) == len(ranks) for ranks, _ in net), net
@@ -70,12 +70,14 @@ def test_matches_zero3_composes_with_tp_and_cuts_network_bytes():
 
 
 @pytest.mark.timeout(900)
-def test_int8_network_stage_converges_like_unquantized():
+def test_int8_network_stage_converges_like_unquantized_also_with_bf16():
     steps = 200
     jobs = [{"mode": "ours", "gbs": 4, "steps": steps, "model_kw": TINY},
-            {"mode": "ours-int8", "gbs": 4, "steps": steps, "model_kw": TINY}]
+            {"mode": "ours-int8", "gbs": 4, "steps": steps, "model_kw": TINY},
+            {"mode": "ours-int8", "gbs": 4, "steps": steps, "stop_after": 30, "model_kw": TINY, "bf16": True}]
     per_rank = run_distributed(worker, world_size=4, timeout=800, jobs=jobs, ranks_per_node=2)
-    fp, q = per_rank[0][0]["losses"], per_rank[0][1]["losses"]
+    fp, q, q_bf16 = (per_rank[0][i]["losses"] for i in range(3))
+    _close(q_bf16, q[:30], 0.02, "int8 with bf16 weights vs fp32 weights")
     assert fp[-1] < fp[0] - 1.0, fp[::20]  # it really trains
     end_fp, end_q = sum(fp[-10:]) / 10, sum(q[-10:]) / 10
     assert abs(end_q - end_fp) <= 0.02 * end_fp, (end_q, end_fp)

@@ -104,7 +104,7 @@ class HierarchicalZeroEngine:
     def _gather(self) -> None:
         full = all_gather_levels(self.secondary, self.weight_levels)  # [N_pad], model dtype
         off = 0
-        for p, shape in zip(self.params, self.shapes):
+        for p, shape in zip(self.params, self.shapes, strict=True):
             p.data = full[off:off + shape.numel()].view(shape)
             off += shape.numel()
         self._gathered = True
@@ -145,7 +145,7 @@ class HierarchicalZeroEngine:
         (loss / self.gas).backward()
         grads = torch.zeros(self.padded, dtype=self.dtype)  # [N_pad]
         off = 0
-        for p, shape in zip(self.params, self.shapes):
+        for p, shape in zip(self.params, self.shapes, strict=True):
             if p.grad is not None:
                 grads[off:off + shape.numel()] = p.grad.reshape(-1)
             p.grad = None
