@@ -44,12 +44,13 @@ def _close(a: list[float], b: list[float], tol: float, what: str) -> None:
 @pytest.mark.timeout(900)
 def test_matches_zero3_composes_with_tp_and_cuts_network_bytes():
     ref = reference_losses(GBS, STEPS)
-    jobs = [{"mode": "zero3"}, {"mode": "ours"}, {"mode": "ours", "tp": 2}]
+    jobs = [{"mode": "zero3"}, {"mode": "ours"}, {"mode": "ours", "tp": 2}, {"mode": "ours", "weights": "package"}]
     per_rank = run_distributed(worker, world_size=8, timeout=800, jobs=jobs, ranks_per_node=4)
-    zero3, ours, ours_tp2 = ([r[i] for r in per_rank] for i in range(len(jobs)))
+    zero3, ours, ours_tp2, ours_pkg = ([r[i] for r in per_rank] for i in range(len(jobs)))
     for rank in range(8):
         _close(zero3[rank]["losses"], ref, 1e-5, f"rank {rank} ZeRO-3 vs single process")
         _close(ours[rank]["losses"], zero3[rank]["losses"], 1e-5, f"rank {rank} hierarchical vs ZeRO-3")
+        _close(ours_pkg[rank]["losses"], zero3[rank]["losses"], 1e-5, f"rank {rank} weights per package vs ZeRO-3")
         _close(ours_tp2[rank]["losses"], ref, 1e-5, f"rank {rank} hierarchical TP=2 vs single process")
     assert min(ref[5:]) < ref[0] - 0.05, ref  # the model learns, so equal losses mean something
 
@@ -65,6 +66,7 @@ def test_matches_zero3_composes_with_tp_and_cuts_network_bytes():
         assert all(b == n_pad * 4 / 4 for b in net.values()), (net, n_pad)
     z3, mine = _network_bytes(zero3, 8, 4), _network_bytes(ours, 8, 4)
     assert mine <= z3 / 4, (mine, z3)
+    assert _network_bytes(ours_pkg, 8, 4) == mine  # the weight tier moves traffic between package and node only
     # A flat ring crosses the network on 2 of its 8 hops; ours still sends less even counted that way.
     assert _network_bytes(ours, 8, 4, "ring") < _network_bytes(zero3, 8, 4, "ring")
 
