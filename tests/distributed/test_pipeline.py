@@ -107,7 +107,7 @@ def _check(results, refs, tol):
     for rank, res in enumerate(results):
         for run, out in res.items():
             ref = refs[run[0]]
-            for step, (a, b) in enumerate(zip(out["losses"], ref)):
+            for step, (a, b) in enumerate(zip(out["losses"], ref, strict=True)):
                 assert abs(a - b) <= tol * max(1.0, abs(b)), f"rank {rank} {run} step {step}: {a} vs {b}"
             assert all(n is not None and n > 0 for n in out["norms"]), (run, out["norms"])
     for ref in refs.values():  # the model must learn, or equal losses would prove little

@@ -2,6 +2,7 @@
 (no processes: everything here is pure)."""
 
 import json
+from itertools import pairwise
 
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -51,8 +52,8 @@ def test_too_few_layers_is_refused_with_the_counts_that_work():
 def test_parameter_partition_balances_and_keeps_every_stage():
     cfg = named_model("gpt2-small", num_layers=12)
     parts = partition(cfg, 4, "parameters")
-    assert parts[0] == 0 and parts[-1] == len(spec_kinds(cfg)) and all(b > a for a, b in zip(parts, parts[1:]))
-    layers = [sum(1 for k in spec_kinds(cfg)[a:b] if k == "layer") for a, b in zip(parts, parts[1:])]
+    assert parts[0] == 0 and parts[-1] == len(spec_kinds(cfg)) and all(b > a for a, b in pairwise(parts))
+    layers = [sum(1 for k in spec_kinds(cfg)[a:b] if k == "layer") for a, b in pairwise(parts)]
     # The 38M-parameter embedding and output layer each weigh several 7M-parameter layers.
     assert layers[0] < 3 and layers[-1] < 3 and sum(layers) == 12
     with pytest.raises(ConfigError, match="choose one of"):

@@ -37,7 +37,7 @@ def _loss_and_grads(cfg: ModelConfig, steps: int = 2):
 
 
 def _max_diff(a, b) -> float:
-    losses = max(abs(x - y) for x, y in zip(a[0], b[0]))
+    losses = max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
     grads = max((a[1][n] - b[1][n]).abs().max().item() for n in a[1])
     return max(losses, grads)
 
@@ -54,7 +54,7 @@ def test_recompute_leaves_loss_and_grads_unchanged(granularity, extra):
 
 def test_tracker_replay_is_what_makes_it_exact(monkeypatch):
     """Negative control: torch's checkpoint alone does not replay our TP RNG tracker, and the grads move."""
-    import megatron.model.attention as attention
+    from megatron.model import attention
 
     ref = _loss_and_grads(_cfg(None))
     monkeypatch.setattr(attention, "checkpoint",
