@@ -39,9 +39,10 @@ def _train(name: str, backend: str) -> list[float]:
 def test_triton_and_torch_losses_agree(name, monkeypatch, caplog):
     select._said.clear()
     with caplog.at_level(logging.INFO, logger="megatron.kernels.select"):
-        # Norms follow the 'auto' backend: under TRITON_INTERPRET=1 that is Triton too.
+        # Norms follow the model's kernel backend too (ModelConfig.attention_backend).
         triton_losses = _train(name, "triton")
-    assert any("norm: backend 'auto' uses 'triton'" in r.message for r in caplog.records)
+    assert select.choose("norm", "triton", torch.device("cpu")) == "triton"
+    assert select.choose("attention", "triton", torch.device("cpu")) == "triton"
     assert not any("falling back" in r.message or "unavailable" in r.message for r in caplog.records)
 
     monkeypatch.delenv("TRITON_INTERPRET")  # without it, 'auto' norms on CPU are torch's
