@@ -38,9 +38,11 @@ def safe_load(path: str, map_location="cpu", mmap: bool = False):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))
-        what = f"the disallowed global {found.group(1)}" if found else "content that is not plain tensors/data"
-        raise CheckpointError(f"checkpoint file {path} holds {what}; refusing to unpickle it "
-                              "(a checkpoint must not be able to run code)") from None
+        if found:
+            raise CheckpointError(f"checkpoint file {path} holds the disallowed global {found.group(1)}; refusing "
+                                  "to unpickle it (a checkpoint must not be able to run code)") from None
+        raise CheckpointError(f"checkpoint file {path} is corrupt ({str(e).strip().splitlines()[0][:200]}); "
+                              "load an older checkpoint (edit the 'latest' file)") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({first}); "

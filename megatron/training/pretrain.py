@@ -109,6 +109,11 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         resume = load_checkpoint(engine, run, pstate, ckpt, full)
         watchdog = start_watchdog(args.watchdog_timeout_secs)
         return _train(args, run, pstate, engine, providers, resume, ckpt)
+    except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
+        if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
+                                     or "remote worker" in str(e)):
+            watchdog.wait_for_verdict()  # a lost peer: let the watchdog name it in one line
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()

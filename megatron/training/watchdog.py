@@ -61,6 +61,13 @@ class Watchdog:
         for t in self._threads:
             t.join(timeout=2 * self.interval + 1)
 
+    def wait_for_verdict(self) -> None:
+        """A dead peer usually surfaces first as a collective error in the main thread: give the watchdog
+        up to its timeout to name the lost rank (it exits the process); return if no rank was lost."""
+        deadline = time.monotonic() + self.timeout + 3 * self.interval
+        while time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.2)
+
     def _beat(self) -> None:
         neighbour = (self.rank + 1) % self.world
         seen, seen_at = -1, time.monotonic()
@@ -70,6 +77,7 @@ class Watchdog:
                 if self.store.add("abort", 0) > 0:
                     if self._stop.is_set():
                         return
+                    self._linger()
                     _die(self.store.get("verdict").decode())
                 count = self.store.add(f"hb{neighbour}", 0)
                 done = self.store.add(f"done{neighbour}", 0) > 0
@@ -89,8 +97,14 @@ class Watchdog:
                 try:
                     self.store.set("verdict", verdict)
                     self.store.add("abort", 1)
+                    self._linger()
                 finally:
                     _die(verdict)
+
+    def _linger(self) -> None:
+        """Rank 0 hosts the store: keep it up for two more beats so every survivor can read the verdict."""
+        if self.rank == 0:
+            time.sleep(2 * self.interval + 0.5)
 
     def _guard(self) -> None:
         while not self._stop.wait(self.interval):

@@ -22,7 +22,7 @@ def _model(name: str) -> GPTModel:
                       attention_dropout=0.0, use_cpu_initialization=True, **VARIANTS[name])
     model = GPTModel(cfg, tp=single_process_state().tp, init_seed=3).eval()
     with torch.no_grad():  # norms start at 1/0: perturb them so a swapped or dropped norm would show
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model

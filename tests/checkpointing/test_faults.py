@@ -1,0 +1,127 @@
+"""Faults end in clear errors, not hangs or lost checkpoints: kill -9 during a save, kill -9 of one rank of
+4 (the watchdog), and corrupt / truncated / missing checkpoint files (one line naming the file)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.checkpointing.common import BASE
+from tests.functional.cli import REPO, run_pretrain
+from tests.launcher import free_port
+
+# Slow down one file write of the step-4 save, so the test can kill the process in the middle of it.
+SLOW_SAVE = """
+import sys, time
+from megatron.checkpointing import safe_io
+orig = safe_io.SafeCheckpointEngine.save
+def slow(self, state_dict, path):
+    orig(self, state_dict, path)
+    if "global_step4.tmp-" in path:
+        print("SAVING", path, flush=True)
+        time.sleep(60)
+safe_io.SafeCheckpointEngine.save = slow
+import pretrain_gpt
+sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
+"""
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update({k: v for k, v in extra.items()})
+    return env
+
+
+@pytest.mark.timeout(200)
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    save = str(tmp_path)
+    args = BASE + ["--train-iters", "6", "--save", save, "--save-interval", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=REPO, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    for line in proc.stdout:  # wait until a file of the step-4 save is on disk and the save is still going
+        if line.startswith("SAVING"):
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert any(n.startswith("global_step4.tmp-") for n in os.listdir(save))
+    assert open(os.path.join(save, "latest")).read() == "global_step2"
+    out = run_pretrain(1, BASE + ["--train-iters", "3", "--load", save, "--save", save])
+    assert "loaded " + os.path.join(save, "global_step2") in out.stdout
+    assert open(os.path.join(save, "latest")).read() == "global_step3"
+    assert not any(".tmp-" in n for n in os.listdir(save))  # the interrupted save was cleaned up
+
+
+@pytest.mark.timeout(200)
+def test_kill_one_rank_of_four_all_exit_naming_it():
+    port, world, victim = free_port(), 4, 2
+    args = BASE + ["--train-iters", "100000", "--watchdog-timeout-secs", "10", "--distributed-timeout-minutes", "30"]
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args], cwd=REPO, text=True,
+                              env=_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in range(world)]
+    try:
+        for line in procs[0].stdout:  # training is under way on every rank
+            if "iteration        3/" in line:
+                break
+        killed = time.monotonic()
+        procs[victim].kill()
+        codes, elapsed = {}, {}
+        for r, p in enumerate(procs):
+            if r != victim:
+                codes[r] = p.wait(timeout=120)
+                elapsed[r] = time.monotonic() - killed
+        errors = {r: procs[r].stderr.read() for r in codes}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    print(f"survivors exited {elapsed} s after the kill")
+    assert max(elapsed.values()) < 120
+    for r, code in codes.items():
+        assert code != 0, (r, errors[r][-2000:])
+        assert f"lost rank {victim}" in errors[r], (r, errors[r][-2000:])
+
+
+@pytest.mark.timeout(200)
+def test_bad_checkpoint_files_one_line_error(tmp_path):
+    import torch
+
+    from megatron.checkpointing.safe_io import safe_load
+    from megatron.errors import CheckpointError
+
+    save = str(tmp_path / "ckpt")
+    run_pretrain(1, BASE + ["--train-iters", "1", "--save", save])
+    model_file = os.path.join(save, "global_step1", "mp_rank_00_model_states.pt")
+    data = open(model_file, "rb").read()
+    with open(model_file, "wb") as f:  # truncated: the CLI names the file in one line, exit code 2
+        f.write(data[: len(data) // 2])
+    out = run_pretrain(1, BASE + ["--train-iters", "2", "--load", save], check=False)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint file") and model_file in last and "truncated" in last, last
+
+    with open(model_file, "wb") as f:  # corrupt bytes
+        f.write(b"garbage" * 100)
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt is corrupt"):
+        safe_load(model_file)
+    os.remove(model_file)  # missing
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt is missing"):
+        safe_load(model_file)
+
+    class Evil:  # a pickle that would run code is refused, not executed
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"x": Evil()}, model_file)
+    with pytest.raises(CheckpointError, match="disallowed global"):
+        safe_load(model_file)
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write("global_step9")
+    out = run_pretrain(1, BASE + ["--train-iters", "2", "--load", save], check=False)
+    assert out.returncode == 2 and "global_step9 is missing" in out.stderr.strip().splitlines()[-1]
