@@ -96,8 +96,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     g.add_argument("--zero-hierarchy", default=None, metavar="TIERS",
                    help="hierarchical ZeRO-3 over Frontier's tiers, e.g. package,node,network (needs --zero-stage 3)")
-    g.add_argument("--zero-hierarchy-weights", choices=["package", "node"], default="node",
-                   help="tier whose ranks share one copy of the 16-bit weights (forward all-gathers stay inside it)")
+    g.add_argument("--zero-hierarchy-weights", choices=["package", "node"], default=None,
+                   help="tier sharing one copy of the 16-bit weights (default: node); forward all-gathers stay in it")
     g.add_argument("--zero-hierarchy-int8", action="store_true",
                    help="block-wise int8 on the network stage of --zero-hierarchy (with error feedback)")
     g = p.add_argument_group("data")

@@ -145,8 +145,8 @@ class ParallelConfig:
     zero_stage: int = 0
     zero_hierarchy: str | None = None
     """Hierarchical ZeRO-3 tiers, e.g. 'package,node,network' (megatron/core/hierarchical_zero); None = off."""
-    zero_hierarchy_weights: str = "node"
-    """Tier whose ranks share one copy of the 16-bit weights: 'node' or 'package'."""
+    zero_hierarchy_weights: str | None = None
+    """Tier whose ranks share one copy of the 16-bit weights: 'node' or 'package' (default: node if listed)."""
     zero_hierarchy_int8: bool = False
     """Block-wise int8 on the network stage of hierarchical ZeRO (weights all-gather and gradient reduce)."""
 

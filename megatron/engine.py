@@ -123,11 +123,17 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
         section = cfg.setdefault(hierarchical_zero.SECTION, {})
         levels = list(hierarchical_zero.config.parse_levels(p.zero_hierarchy))
         _agree(section, "zero_hierarchy", levels, "--zero-hierarchy", source)
-        section.setdefault("zero_hierarchy_weights", p.zero_hierarchy_weights)
+        if p.zero_hierarchy_weights:
+            _agree(section, "zero_hierarchy_weights", p.zero_hierarchy_weights, "--zero-hierarchy-weights", source)
         section["zero_hierarchy_int8"] = bool(section.get("zero_hierarchy_int8")) or p.zero_hierarchy_int8
     hcfg = hierarchical_zero.from_ds_config(cfg)
     if hcfg is not None:
         hierarchical_zero.check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
+    section = cfg.get(hierarchical_zero.SECTION) or {}
+    if section.get("zero_hpz"):  # DeepSpeed's own hpZ, sized from our topology, never from device_count()
+        hpz = hierarchical_zero.hpz_partition_size(cfg, p.tp, p.zero_stage, hierarchical_zero.ranks_per_node(section))
+        _agree(cfg["zero_optimization"], "zero_hpz_partition_size", hpz, f"{hierarchical_zero.SECTION}.zero_hpz",
+               source)
 
 
 def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:

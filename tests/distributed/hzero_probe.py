@@ -8,6 +8,9 @@ a simulated node size (``ranks_per_node``), so 8 local processes stand for 2 nod
 from __future__ import annotations
 
 import gc
+import json
+import os
+import tempfile
 
 import torch
 
@@ -75,7 +78,7 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     from megatron.core import comm
     from megatron.core.parallel_state import ParallelState
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.engine import build_ds_config, initialize_engine, template_path
     from megatron.model.gpt_model import GPTModel
     from megatron.training.batches import microbatches
     from megatron.training.step import train_step
@@ -84,10 +87,17 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels, bf16)
     state = ParallelState.build(tp)
     model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
-    ds = build_ds_config(run)
+    user_config = None
+    if mode == "hpz":  # DeepSpeed's own hpZ through a user JSON, sized by megatron/engine.py from our topology
+        with open(template_path(3, "fp32")) as f:
+            cfg = json.load(f)
+        cfg["megatron_frontier"] = {"zero_hpz": "node", "ranks_per_node": ranks_per_node}
+        user_config = os.path.join(tempfile.mkdtemp(), "hpz.json")
+        with open(user_config, "w") as f:
+            json.dump(cfg, f)
+    ds = build_ds_config(run, user_config)
+    assert mode != "hpz" or ds["zero_optimization"]["zero_hpz_partition_size"] == ranks_per_node // tp
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
-    if mode == "hpz":  # DeepSpeed's own secondary partition: one node's DP ranks, from our topology
-        ds["zero_optimization"]["zero_hpz_partition_size"] = ranks_per_node // tp
     if mode.startswith("ours"):
         ds["megatron_frontier"]["ranks_per_node"] = ranks_per_node
     engine = initialize_engine(model, run, state, ds)

@@ -54,10 +54,11 @@ def test_config_section_checks():
     for bad in (["node", "package", "network"], ["package", "node"], ["rack", "network"]):
         with pytest.raises(ConfigError, match="--zero-hierarchy"):
             from_ds_config({SECTION: {"zero_hierarchy": bad}})
+    assert from_ds_config({SECTION: {"zero_hierarchy": ["package", "network"]}}).weights == "package"
     with pytest.raises(ConfigError, match="--zero-hierarchy-weights"):
         from_ds_config({SECTION: {"zero_hierarchy": ["node", "network"], "zero_hierarchy_weights": "package"}})
     with pytest.raises(ConfigError, match="unknown keys"):
-        from_ds_config({SECTION: {"zero_hierarchy": ["network"], "zero_hpz": 2}})
+        from_ds_config({SECTION: {"zero_hierarchy": ["network"], "zero_hpz_size": 2}})
 
 
 def _run(**parallel):
@@ -121,3 +122,18 @@ def test_planner_20b_on_48_nodes_orders_the_modes():
     assert net["ours"] <= net["zero3"] / 4
     with pytest.raises(ConfigError, match="--zero-hierarchy"):
         Layout(tp=1, pp=2, dp=4, micro_batch_size=1, global_batch_size=8, zero_stage=1, hierarchical_zero=True)
+
+
+def test_deepspeed_hpz_sized_from_the_topology():
+    from megatron.core.hierarchical_zero import hpz_partition_size
+
+    cfg = {SECTION: {"zero_hpz": "node"}}
+    assert hpz_partition_size(cfg, tp=1, zero_stage=3, ranks_per_node=8) == 8
+    assert hpz_partition_size({SECTION: {"zero_hpz": "package"}}, 1, 3, 8) == 2
+    assert hpz_partition_size({}, 1, 3, 8) is None
+    with pytest.raises(ConfigError, match="--zero-stage 3"):
+        hpz_partition_size(cfg, 1, 1, 8)
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2"):
+        hpz_partition_size(cfg, 2, 3, 8)
+    with pytest.raises(ConfigError, match="pick one"):
+        hpz_partition_size({SECTION: {"zero_hpz": "node", "zero_hierarchy": ["network"]}}, 1, 3, 8)

@@ -9,7 +9,13 @@ import os
 
 import torch
 
-from megatron.core.hierarchical_zero.config import SECTION, HierarchyConfig, check_run, from_ds_config
+from megatron.core.hierarchical_zero.config import (
+    SECTION,
+    HierarchyConfig,
+    check_run,
+    from_ds_config,
+    hpz_partition_size,
+)
 from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
 from megatron.core.hierarchical_zero.groups import Hierarchy, build_hierarchy, level_groups
 
@@ -22,16 +28,18 @@ __all__ = [
     "check_run",
     "create_engine",
     "from_ds_config",
+    "hpz_partition_size",
     "level_groups",
     "ranks_per_node",
 ]
 
 
-def ranks_per_node(hcfg: HierarchyConfig) -> int:
-    """The configured node size, else the launcher's ranks per node (never ``device_count()``: it is 1 on
-    Frontier under --gpus-per-task=1)."""
-    if hcfg.ranks_per_node is not None:
-        return hcfg.ranks_per_node
+def ranks_per_node(hcfg: HierarchyConfig | dict) -> int:
+    """The configured node size (a HierarchyConfig, or a ds_config's section), else the launcher's ranks per node
+    (never ``device_count()``: it is 1 on Frontier under --gpus-per-task=1)."""
+    configured = hcfg.get("ranks_per_node") if isinstance(hcfg, dict) else hcfg.ranks_per_node
+    if configured is not None:
+        return configured
     from megatron.topology import discover_ranks
 
     return discover_ranks(os.environ, use_mpi4py=False).local_world_size
