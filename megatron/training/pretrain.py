@@ -86,12 +86,13 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {run.parallel.pp}: the plain "
                           "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
 
+    # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
+    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank
     watchdog = None
     try:
-        ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
         if rank == 0:
             from megatron.training.layout_report import layout_report
 
