@@ -25,11 +25,11 @@ WORLD, RANKS_PER_NODE = 8, 4
 NODES_20B, GBS_20B = 48, 1536
 
 
-def measure(steps: int) -> dict[str, list[dict]]:
+def measure(steps: int, release_layers: bool) -> dict[str, list[dict]]:
     from tests.distributed.hzero_probe import worker
     from tests.launcher import run_distributed
 
-    jobs = [{"mode": m, "steps": steps} for m in MODES]
+    jobs = [{"mode": m, "steps": steps, "release_layers": release_layers} for m in MODES]
     per_rank = run_distributed(worker, world_size=WORLD, timeout=1200, jobs=jobs, ranks_per_node=RANKS_PER_NODE)
     return {m: [r[i] for r in per_rank] for i, m in enumerate(MODES)}
 
@@ -61,9 +61,10 @@ def predicted() -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def report(measured: dict[str, list[dict]]) -> list[str]:
+def report(measured: dict[str, list[dict]], release_layers: bool) -> list[str]:
+    how = ("ZeRO-3/hpZ release each layer after forward" if release_layers else "DeepSpeed's default reuse")
     lines = ["## Measured: bytes one GCD sends per optimizer step (debug GPT, fp32, 8 ranks = 2 nodes x 2 packages "
-             "x 2 GCDs)", "",
+             f"x 2 GCDs; {how})", "",
              "| mode | package | node | network (group) | network (ring) | network vs ZeRO-3 | loss after last step |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     base = per_gcd(measured["zero3"], "group")["network"]
@@ -93,9 +94,12 @@ def report(measured: dict[str, list[dict]]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per mode (the first is not counted)")
+    p.add_argument("--keep-layers", action="store_true",
+                   help="DeepSpeed's defaults for ZeRO-3/hpZ, under which this tiny model stays gathered from forward "
+                        "to backward (default: release every layer and re-gather it in backward, as at 20B)")
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args()
-    lines = report(measure(args.steps))
+    lines = report(measure(args.steps, not args.keep_layers), not args.keep_layers)
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -71,8 +71,13 @@ def reference_losses(gbs: int, steps: int, model_kw: dict | None = None) -> list
 
 
 def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, counter, model_kw: dict | None,
-                weights: str, levels: str, bf16: bool = False, stop_after: int | None = None) -> dict:
-    """Train ``steps`` steps (or stop after ``stop_after`` of a ``steps``-long LR schedule)."""
+                weights: str, levels: str, bf16: bool = False, stop_after: int | None = None,
+                release_layers: bool = False) -> dict:
+    """Train ``steps`` steps (or stop after ``stop_after`` of a ``steps``-long LR schedule).
+
+    ``release_layers``: ZeRO-3/hpZ free every layer after its forward and re-gather it for backward (reuse distance,
+    live parameters and prefetch bucket 1), as DeepSpeed does with a model of billions of parameters; by default a
+    model this small stays gathered from forward to backward."""
     import deepspeed.comm as dist
 
     from megatron.core import comm
@@ -98,6 +103,9 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     ds = build_ds_config(run, user_config)
     assert mode != "hpz" or ds["zero_optimization"]["zero_hpz_partition_size"] == ranks_per_node // tp
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
+    if release_layers and not mode.startswith("ours"):
+        ds["zero_optimization"].update(stage3_max_reuse_distance=1, stage3_max_live_parameters=1,
+                                       stage3_prefetch_bucket_size=1)
     if mode.startswith("ours"):
         ds["megatron_frontier"]["ranks_per_node"] = ranks_per_node
     engine = initialize_engine(model, run, state, ds)
