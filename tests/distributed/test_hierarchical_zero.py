@@ -20,13 +20,14 @@ TINY = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2}
 
 
 def _padded_params(tp: int, model_kw: dict | None = None, dp: int = 8, block: int = 256) -> int:
+    from megatron.core.hierarchical_zero.engine import padded_sizes
     from megatron.core.parallel_state import single_process_state
     from megatron.model.gpt_model import GPTModel
     from tests.distributed.hzero_probe import run_config
 
     run = run_config(1, tp, "zero3", GBS, STEPS, model_kw)
-    n = sum(p.numel() for p in GPTModel(run.model, tp=single_process_state().tp, init_seed=1).parameters())
-    return -(-n // (dp * block)) * dp * block
+    model = GPTModel(run.model, tp=single_process_state().tp, init_seed=1)
+    return sum(padded_sizes(model, dp * block))  # one bucket per top-level module / transformer layer
 
 
 def _network_bytes(result: dict, world: int, ranks_per_node: int, mode: str = "group") -> float:
