@@ -240,7 +240,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("dp", "all_reduce", "grads", 1 if z == 1 else m, g, dp_ranks)
             add("dp", "all_gather", "weights", 1, w, dp_ranks)
         elif layout.hierarchical_zero or layout.hierarchical_zero_int8:
-            hierarchical_zero_collectives(add, p, a, m, layout.dp, t, lambda d: _rank(layout, stage, d),
+            hierarchical_zero_collectives(add, model, p, a, m, layout.dp, t, lambda d: _rank(layout, stage, d),
                                           layout.hierarchical_zero_int8)
         else:
             add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
