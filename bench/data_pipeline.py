@@ -18,10 +18,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-from megatron.data import helpers
-from megatron.data.reference import build_sample_idx_numpy
+from megatron.data import helpers  # noqa: E402
+from megatron.data.reference import build_sample_idx_numpy  # noqa: E402
 
 
 def _tool(name: str):

@@ -152,7 +152,8 @@ def measure(heads: int, seq: int, dim: int) -> list[dict]:
     for method in ("sdpa_math", "tiled"):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--heads", str(heads), "--seq", str(seq),
                "--dim", str(dim)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         out.append(json.loads(res.stdout.strip().splitlines()[-1]))
     return out
 

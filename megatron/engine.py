@@ -36,7 +36,8 @@ def load_ds_config(path: str) -> dict:
         with open(path) as f:
             cfg = json.load(f)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+        raise ConfigError(
+            f"--deepspeed_config {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
     return cfg

@@ -52,9 +52,9 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(*zip(*train), label="train lm loss")
+        ax.plot(*zip(*train, strict=True), label="train lm loss")
         if valid:
-            ax.plot(*zip(*valid), "o-", label="validation lm loss")
+            ax.plot(*zip(*valid, strict=True), "o-", label="validation lm loss")
         ax.set_xlabel("iteration")
         ax.set_ylabel("lm loss")
         ax.set_title(os.path.basename(args.log))

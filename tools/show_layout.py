@@ -161,7 +161,8 @@ def format_table(placements: list[Placement], layout: Layout, all_nodes: bool = 
         if node is None:
             lines.append(f"{'...':<11}|  (nodes elided; --all-nodes shows them)")
             continue
-        lines.append(f"{'node ' + str(node):<11}|" + "".join(f"{_cell(p, world, layout):>{width}}" for p in by_node[node]))
+        cells = "".join(f"{_cell(p, world, layout):>{width}}" for p in by_node[node])
+        lines.append(f"{'node ' + str(node):<11}|" + cells)
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ def _blocks() -> tuple[int, int]:
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                 heads_q, group, seqlen, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, DOT: tl.constexpr):
@@ -86,7 +86,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, so
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])
     tl.store(LSE + bh * seqlen + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=mask_m)
 

@@ -93,7 +93,7 @@ def _worker(stages, tp):
 def _check(results, ref, tol=1e-5):
     for rank, res in enumerate(results):
         for stage, losses in res.items():
-            for step, (a, b) in enumerate(zip(losses, ref)):
+            for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
                 assert abs(a - b) <= tol * max(1.0, abs(b)), f"rank {rank} ZeRO-{stage} step {step}: {a} vs {b}"
     # The model must actually learn something, or equal losses would prove little.
     assert min(ref[5:]) < ref[0] - 0.05, ref

@@ -17,7 +17,7 @@ from megatron.perf.memory import GIB, estimate_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-import show_layout  # tools/ is not a package: imported from its folder
+import show_layout  # noqa: E402  (tools/ is not a package: imported from its folder)
 
 ONE_T = ["--world-size", "1024", "--model-size", "gpt-1t", "--tensor-model-parallel-size", "8",
          "--pipeline-model-parallel-size", "64", "--zero-stage", "1", "--bf16", "--use-flash-attn-v2",
