@@ -91,6 +91,8 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank
+    print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
+                f"{ranks.local_world_size} per node)", rank)
     watchdog = None
     try:
         if rank == 0:

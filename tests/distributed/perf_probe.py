@@ -252,3 +252,60 @@ def probe_worker(configs: list[dict], steps: int = 2) -> list[dict]:
         del engine
         gc.collect()
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pipeline point-to-point
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def pipe_probe_worker(configs: list[dict], steps: int = 2) -> list[dict]:
+    """DeepSpeed pipeline engine runs (GPTModelPipe, fp32): bytes per (group ranks, op) over ``steps`` steps.
+
+    Each config: ``pp``, ``zero``, ``mbs``, ``gbs``, ``model_kw`` (``named_model`` keywords, e.g. untying). One
+    warm-up step first: the engine sends its tensor meta-data (shape/dtype, int32) before the first activation
+    only, and that step is outside the window. Every torch.distributed call goes through ``TorchDistCounter``, so
+    p2p.send/recv (torch.distributed.send/recv), the tied-weight all-reduce and the loss broadcast are all seen;
+    the <= 16-element ones (loss broadcast, grad-norm sums) are dropped as bookkeeping.
+    """
+    import deepspeed.comm as dist
+
+    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+    from megatron.core.parallel_state import ParallelState
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.initialize import initialize_distributed
+    from megatron.model.gpt_model_pipe import GPTModelPipe
+    from megatron.model.sizes import named_model
+    from megatron.training.batches import microbatches
+    from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
+
+    counter = TorchDistCounter()
+    counter.install()
+    initialize_distributed("gloo")
+    out = []
+    for cfg in configs:
+        kw = {"use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+              "make_vocab_size_divisible_by": 64} | cfg["model_kw"]
+        model_cfg = named_model("debug", **kw)
+        run = RunConfig(model=model_cfg,
+                        parallel=ParallelConfig(world_size=dist.get_world_size(), zero_stage=cfg["zero"],
+                                                pipeline_model_parallel_size=cfg["pp"]),
+                        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, clip_grad=1.0),
+                        training=TrainingConfig(micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"],
+                                                train_iters=10, seed=3)).validate()
+        state = ParallelState.build(1, cfg["pp"])
+        engine = initialize_engine(GPTModelPipe(run.model, state, init_seed=3), run, state, build_ds_config(run))
+        data = pipe_microbatches(microbatches(MockGPTDataset(1000, model_cfg.seq_length, model_cfg.vocab_size,
+                                                             seed=9), 0, cfg["mbs"], state.dp.rank, state.dp.size,
+                                              "cpu"))
+        pipe_train_step(engine, data)
+        counter.bytes.clear(), counter.calls.clear()
+        counter.active = True
+        losses = [pipe_train_step(engine, data).loss for _ in range(steps)]
+        counter.active = False
+        out.append({"cfg": cfg, "steps": steps, "stage": state.pp.rank, "rank": dist.get_rank(),
+                    "bytes": dict(counter.bytes), "calls": dict(counter.calls), "losses": losses})
+        del engine
+        gc.collect()
+    return out

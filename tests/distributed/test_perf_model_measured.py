@@ -15,6 +15,16 @@ What "measured" means here (see tests/distributed/perf_probe.py):
   which Frontier runs assume to be 3 GiB and which is set to 0 here. DeepSpeed's gradient bucket is modelled (it is
   set to 1e5 elements so it does not dwarf the tiny model). Within 15%. The bytes autograd saves for backward
   (saved-tensor hooks on one micro-batch's forward) are checked against the activation terms, also within 15%.
+* Pipeline (PP=2, DP=1, fp32, ZeRO-0 and ZeRO-1, DeepSpeed's pipeline engine): every torch.distributed call of 2
+  steps after a warm-up step (perf_probe.pipe_probe_worker). deepspeed/runtime/pipe/p2p.py ends in
+  torch.distributed.send/recv. Counted exactly against estimate_comm's "pp" sends per stage: stage 0 sends one
+  [s, b, h] activation per micro-batch, stage 1 one gradient of that shape; each rank's recvs equal the other
+  stage's sends. Tied embeddings: one all-reduce of the word-embedding gradient per step between the first and
+  last stage (the "embedding" group) - exact too; untied: none. Extra messages and how they are counted: the
+  tensor meta-data (int32 shape/dtype, sent before the first activation only) falls in the warm-up step and is
+  not counted; the loss broadcast over the pipe group (2 floats) and grad-norm sums are <= 16 elements and left
+  out as bookkeeping; the engine's start-up "send a 0" and tied-weight broadcast happen at construction. So the
+  window holds exactly the activation/gradient payload and the tied all-reduce.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from megatron.model.sizes import named_model
 from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import estimate_memory
-from tests.distributed.perf_probe import probe_worker
+from tests.distributed.perf_probe import pipe_probe_worker, probe_worker
 from tests.launcher import run_distributed
 
 MODEL_KW = {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64, "vocab_size": 512}
@@ -102,3 +112,36 @@ def test_dp2_zero_0_1_2_3():
 def test_tp2_with_and_without_sequence_parallel():
     configs = [_cfg(2, 0), _cfg(2, 1, sp=True), _cfg(2, 0, sp=True, recompute="full")]
     _check(run_distributed(probe_worker, 2, configs=configs), 2)
+
+
+def _pipe_cfg(zero: int, untie: bool) -> dict:
+    # 3 micro-batches per step (1F1B has a steady phase), so p2p bytes differ from the tied all-reduce's.
+    return {"pp": 2, "zero": zero, "mbs": MBS, "gbs": 3 * MBS, "model_kw": MODEL_KW | {
+        "untie_embeddings_and_output_weights": untie}}
+
+
+@pytest.mark.timeout(600)
+def test_pp2_point_to_point_bytes_exact():
+    results = run_distributed(pipe_probe_worker, 2, configs=[_pipe_cfg(0, False), _pipe_cfg(1, True)])
+    pair = (0, 1)  # the world group: p2p sends and the first <-> last stage tied group
+    report = []
+    for rank_results in results:
+        for res in rank_results:
+            cfg, steps, stage = res["cfg"], res["steps"], res["stage"]
+            model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                make_vocab_size_divisible_by=64, **cfg["model_kw"])
+            layout = Layout(tp=1, pp=2, dp=1, micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"],
+                            zero_stage=cfg["zero"], flash_attention=True, dtype="fp32")
+            mine, other = (estimate_comm(model, layout, st).collectives for st in (stage, 1 - stage))
+            want = {"send": sum(c.payload_per_step for c in mine if c.group == "pp") * steps,
+                    "recv": sum(c.payload_per_step for c in other if c.group == "pp") * steps,
+                    "all_reduce": sum(c.payload_per_step for c in mine if c.group == "embedding") * steps}
+            want = {op: n for op, n in want.items() if n}
+            got = {op: n for (ranks, op), n in res["bytes"].items() if ranks == pair}
+            report.append(f"{layout.describe()} untied={cfg['model_kw']['untie_embeddings_and_output_weights']} "
+                          f"stage {stage}: measured {got} predicted {want} calls "
+                          f"{ {op: n for (r, op), n in res['calls'].items() if r == pair} }")
+            assert got == want, report[-1]
+            # Nothing else crossed the wire in the window (DP=1: no DP traffic on single-rank groups counts).
+            assert all(ranks == pair or len(ranks) == 1 for ranks, _ in res["bytes"]), res["bytes"]
+    print("\n".join(report))
