@@ -52,7 +52,7 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
     norm = engine.get_global_grad_norm() if norm is None else norm
     if isinstance(norm, torch.Tensor):
         norm = norm.item()
-    scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
+    scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
     return StepResult(total / num_microbatches, norm, skipped, lr, scale)
 
 
