@@ -14,6 +14,7 @@ import os
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
@@ -107,6 +108,9 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
             cfg.setdefault(name, {})["enabled"] = True
         else:
             cfg.pop(name, None)
+    if prec.fp16 and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"--fp16: DeepSpeed does not support fp16 on this {get_accelerator().device_name()} device; "
+                          "use --bf16 (advised on MI250X) or neither for fp32")
     if prec.fp16:
         # Dynamic loss scale (loss_scale 0) from the Megatron flags.
         cfg["fp16"].update(loss_scale=0, initial_scale_power=int(round(torch.log2(

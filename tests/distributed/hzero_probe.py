@@ -39,35 +39,10 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
 
 
 def reference_losses(gbs: int, steps: int, model_kw: dict | None = None) -> list[float]:
-    """One process, no DeepSpeed: torch AdamW + clip_grad_norm_ + our LR schedule on the same data."""
-    from megatron.core.parallel_state import single_process_state
-    from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.engine import param_groups
-    from megatron.model.gpt_model import GPTModel
-    from megatron.training.batches import microbatches
-    from megatron.training.lr_schedule import OptimizerParamScheduler
-    from megatron.training.step import gpt_forward_step
+    """One process, no DeepSpeed (tests/reference.py), on the same data."""
+    from tests.reference import reference_losses as plain
 
-    run = run_config(1, 1, "zero3", gbs, steps, model_kw)
-    m, o = run.model, run.optimizer
-    model = GPTModel(m, tp=single_process_state().tp, init_seed=run.training.seed)
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                            eps=o.adam_eps)
-    sched = OptimizerParamScheduler(opt, o, steps)
-    data = microbatches(MockGPTDataset(4000, m.seq_length, m.vocab_size, seed=9), 0, 1, 0, 1, "cpu")
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for _ in range(gbs):
-            loss = gpt_forward_step(model, next(data))
-            (loss / gbs).backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        opt.step()
-        sched.step()
-        losses.append(total / gbs)
-    return losses
+    return plain(run_config(1, 1, "zero3", gbs, steps, model_kw), steps)
 
 
 def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, counter, model_kw: dict | None,

@@ -38,35 +38,10 @@ def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False):
 
 
 def reference_losses(variant):
-    """One process, no DeepSpeed: GPTModel, torch AdamW, clip_grad_norm_, our LR schedule."""
-    from megatron.core.parallel_state import single_process_state
-    from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.engine import param_groups
-    from megatron.model.gpt_model import GPTModel
-    from megatron.training.batches import microbatches
-    from megatron.training.lr_schedule import OptimizerParamScheduler
-    from megatron.training.step import gpt_forward_step
+    """One process, no DeepSpeed (tests/reference.py)."""
+    from tests.reference import reference_losses as plain
 
-    run = _run_config(variant, 1, 1, 1, 0)
-    model = GPTModel(run.model, tp=single_process_state().tp, init_seed=run.training.seed)
-    o = run.optimizer
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                            eps=o.adam_eps)
-    sched = OptimizerParamScheduler(opt, o, STEPS)
-    data = microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, 0, 1, "cpu")
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for _ in range(GBS // MBS):
-            loss = gpt_forward_step(model, next(data))
-            (loss / (GBS // MBS)).backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        opt.step()
-        sched.step()
-        losses.append(total / (GBS // MBS))
-    return losses
+    return plain(_run_config(variant, 1, 1, 1, 0), STEPS, dataset_size=1000)
 
 
 def _train_pipe(variant, tp, pp, zero, recompute=None, sp=False):

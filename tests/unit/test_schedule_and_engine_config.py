@@ -49,7 +49,23 @@ def _run(**train):
                      training=TrainingConfig(micro_batch_size=2, global_batch_size=32, **train)).validate()
 
 
-def test_ds_config_filled_from_flags():
+@pytest.fixture
+def fp16_device(monkeypatch):
+    """Pretend the accelerator supports fp16 (the CPU one does not) to check the JSON we would write."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+
+
+def test_fp16_refused_where_unsupported(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    with pytest.raises(ConfigError, match="--fp16: DeepSpeed does not support fp16"):
+        build_ds_config(_run())
+
+
+def test_ds_config_filled_from_flags(fp16_device):
     cfg = build_ds_config(_run())
     assert cfg["train_batch_size"] == 32 and cfg["train_micro_batch_size_per_gpu"] == 2
     assert cfg["gradient_accumulation_steps"] == 4  # 32 / (2 x DP 4)
@@ -59,14 +75,14 @@ def test_ds_config_filled_from_flags():
     assert cfg["fp16"]["initial_scale_power"] == 32 and "bf16" not in cfg
 
 
-def test_ds_config_precision_disagreement(tmp_path):
+def test_ds_config_precision_disagreement(tmp_path, fp16_device):
     f = tmp_path / "ds.json"
     f.write_text('{"bf16": {"enabled": true}}')
     with pytest.raises(ConfigError, match="bf16.enabled=true but --bf16 is not set"):
         build_ds_config(_run(), str(f))
 
 
-def test_ds_config_refuses_optimizer_section(tmp_path):
+def test_ds_config_refuses_optimizer_section(tmp_path, fp16_device):
     f = tmp_path / "ds.json"
     f.write_text('{"optimizer": {"type": "Adam"}}')
     with pytest.raises(ConfigError, match="'optimizer' section"):

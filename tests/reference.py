@@ -1,0 +1,41 @@
+"""The single-process reference every parallel layout is checked against: no DeepSpeed, no process group,
+torch AdamW + clip_grad_norm_ + our LR schedule, on the deterministic mock data."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int = 9) -> list[float]:
+    """Mean lm loss of each of ``steps`` iterations of ``run`` (a validated RunConfig) on one process."""
+    from megatron.core.parallel_state import single_process_state
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import param_groups
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.lr_schedule import OptimizerParamScheduler
+    from megatron.training.step import gpt_forward_step
+
+    m, o, t = run.model, run.optimizer, run.training
+    model = GPTModel(m, tp=single_process_state().tp, init_seed=t.seed)
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                            eps=o.adam_eps)
+    sched = OptimizerParamScheduler(opt, o, steps)
+    mbs = t.micro_batch_size
+    n_micro = t.global_batch_size // mbs
+    data = microbatches(MockGPTDataset(dataset_size, m.seq_length, m.vocab_size, seed=data_seed), 0, mbs, 0, 1,
+                        "cpu")
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(n_micro):
+            loss = gpt_forward_step(model, next(data))
+            (loss / n_micro).backward()
+            total += loss.item()
+        if o.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        opt.step()
+        sched.step()
+        losses.append(total / n_micro)
+    return losses
