@@ -22,25 +22,16 @@ from dataclasses import dataclass, field
 
 import deepspeed.comm as dist
 
-from megatron.errors import ConfigError
+from megatron.topology import parallel_groups
 
 
 def layout_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Pure function: the rank lists of every TP, DP and PP group (no process group needed)."""
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} ranks"
-        )
+    """Pure function: the rank lists of every TP, DP and PP group (``megatron.topology.parallel_groups``, the one
+    statement of Megatron's rank order), plus "mp": the TP x PP ranks of each full model replica."""
+    groups = parallel_groups(world_size, tp, pp)
     dp = world_size // (tp * pp)
-    rank = lambda p, d, t: p * dp * tp + d * tp + t  # noqa: E731
-    return {
-        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        # TP x PP ranks that hold one full model replica (for checkpoint / embedding sync).
-        "mp": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
-    }
+    groups["mp"] = [[(p * dp + d) * tp + t for p in range(pp) for t in range(tp)] for d in range(dp)]
+    return groups
 
 
 @dataclass
