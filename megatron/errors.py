@@ -1,10 +1,29 @@
-"""User-facing errors: one line that names the flag or file and the fix."""
+"""User-facing errors: one line that names the flag or file and the fix, printed once per job, exit 2."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# Where each launcher puts a process's global rank, in the order topology.discover_ranks trusts them:
+# torchrun, then MPI (mpirun inside a Slurm allocation leaves every task with SLURM_PROCID=0), then Slurm.
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
 class MegatronError(Exception):
-    """An error the user can fix. Entry points print its message on one line and exit with code 2."""
+    """An error the user can fix. Entry points print its message on one line and exit with code 2.
+
+    Validation errors are the same on every rank (they come from the flags and a shared file system),
+    so only the job's rank 0 prints them; ``every_rank=True`` marks one that a rank may hit alone.
+    """
 
     exit_code = 2
+    every_rank = False
+
+    def __init__(self, message: str = "", *, every_rank: bool | None = None) -> None:
+        super().__init__(message)
+        if every_rank is not None:
+            self.every_rank = every_rank
 
 
 class ConfigError(MegatronError):
@@ -26,14 +45,35 @@ class TrainingError(MegatronError):
 class DistributedError(MegatronError):
     """A lost peer, a collective timeout, or a rank layout that cannot be discovered."""
 
+    every_rank = True  # a rank that cannot join or lost its peer may be the only one that knows
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank from the launcher's environment alone (no process group, no mpi4py):
+    usable by the very first error. An unset or unparsable variable counts as rank 0 (a single process)."""
+    env = os.environ if environ is None else environ
+    for name in _RANK_VARS:
+        value = env.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return 0
+
+
+def warn_once(message: str) -> None:
+    """A warning about the job as a whole: printed by rank 0 only (stdout, with the run's log)."""
+    if launcher_rank() == 0:
+        print(f"> WARNING: {message}", flush=True)
+
 
 def run_cli(main, argv=None) -> int:
-    """Call ``main(argv)``; turn a MegatronError into one line on stderr and a non-zero exit code."""
+    """Call ``main(argv)``; turn a MegatronError into one line on stderr (once per job) and its exit code
+    on every rank."""
     import sys
 
     try:
         rc = main(argv)
     except MegatronError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if e.every_rank or launcher_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0 if rc is None else int(rc)

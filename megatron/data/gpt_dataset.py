@@ -116,7 +116,8 @@ class GPTDataset:
         if missing:
             raise DataError(
                 f"{missing[0]} not found after rank 0 built it: --data-cache-path must be a directory that "
-                f"every rank can read (a shared filesystem such as Lustre on Frontier)"
+                f"every rank can read (a shared filesystem such as Lustre on Frontier)",
+                every_rank=True,  # rank 0 found its files: only the ranks that cannot see them know
             )
         self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(paths[k], mmap_mode="r") for k in _INDEX_NAMES)
 
