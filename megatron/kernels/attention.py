@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from megatron.kernels import select
+from megatron.kernels import measure, select
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float,
@@ -49,13 +50,28 @@ def dot_product_attention(
     Returns [b, nq, s, d]. Every backend must give the same result as the torch path within the
     dtype's tolerance; an unsupported shape or dtype falls back to torch.
     """
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if backend == "auto" and measure.enabled(q.device):
+        usable = [b for b in select.PREFERENCE if b == "torch" or (
+            select.available(b, "attention", q.device)[0] and _unsupported(b, q, k, v, dropout_p) is None)]
+        if len(usable) == 1:
+            return _run("torch", q, k, v, causal, dropout_p, scale, softmax_scale)
+        key = measure.key_of("attention", (q, k, v), f"causal={int(causal)}")
+        thunks = lambda: {b: measure.fwd_bwd(functools.partial(  # noqa: E731
+            _run, b, causal=causal, dropout_p=dropout_p, scale=scale, softmax_scale=softmax_scale), q, k, v)
+            for b in usable}
+        return _run(measure.fastest(key, thunks, q.device), q, k, v, causal, dropout_p, scale, softmax_scale)
     chosen = select.choose("attention", backend, q.device)
     for candidate in select.fallback_order(chosen):
         why = _unsupported(candidate, q, k, v, dropout_p)
         if why is None:
             break
         select.once(f"attention:{candidate}:{why}", f"attention: {candidate} kernel cannot take {why}; falling back")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _run(candidate, q, k, v, causal, dropout_p, scale, softmax_scale)
+
+
+def _run(candidate: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float,
+         scale: float, softmax_scale: float | None) -> torch.Tensor:
     if candidate == "hip":
         from megatron.kernels import hip_ops
 

@@ -18,7 +18,8 @@ import torch
 from megatron.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "triton", "hip")
-_PREFERENCE = ("hip", "triton", "torch")
+PREFERENCE = ("hip", "triton", "torch")
+_PREFERENCE = PREFERENCE
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()
