@@ -30,11 +30,53 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _blocks() -> tuple[int, int]:
-    # 64x64 tiles suit MI250X (64-lane wavefronts); the interpreter's cost grows with tile area and the
-    # tests use short sequences, so small tiles there also exercise many partial/masked tiles.
-    return (16, 16) if _interpreting() else (64, 64)
+    """(BLOCK_M, BLOCK_N) under the interpreter: its cost grows with tile area and the tests use short
+    sequences, so small tiles there also exercise many partial/masked tiles. On a GPU, autotune picks."""
+    return (16, 16)
 
 
+def _is_hip() -> bool:
+    return torch.version.hip is not None
+
+
+def _configs() -> list[triton.Config]:
+    """Autotune candidates for every attention kernel (block sizes, warps, stages).
+
+    Under the interpreter: one small config, so nothing is benchmarked and the tests stay fast.
+    NVIDIA (H100): 128x64 / 128x128 / 64x64 tiles with 4-8 warps and 2-4 pipeline stages, the
+    FlashAttention-2 Triton tutorial's search space.
+    ROCm (MI250X, gfx90a), UNMEASURED, chosen from published facts: 64-lane wavefronts and 64 KiB of LDS
+    per CU favour 64-wide key tiles (BLOCK_N 64 keeps a K and a V tile of head dim 128 in bf16 at 32 KiB);
+    the Triton AMD backend's fused-attention tutorial uses BLOCK_M 128, BLOCK_N 64, waves_per_eu 2,
+    num_warps 4, num_stages 1; matrix_instr_nonkdim 16 picks the 16x16 MFMA, 32 the 32x32 one. Only
+    the HIP backend understands these knobs, so they appear only there.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        bm, bn = _blocks()
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=1, num_stages=1)]
+    if _is_hip():
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "waves_per_eu": wpe, "matrix_instr_nonkdim": k},
+                              num_warps=w, num_stages=1)
+                for bm, bn, w in ((128, 64, 4), (64, 64, 4), (128, 32, 4), (64, 32, 4))
+                for wpe in (2, 3) for k in (16, 32)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+                                  (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4))]
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    # Wide heads (d > 128) overflow registers/LDS with large tiles: keep the small ones.
+    if kwargs.get("BLOCK_D", nargs.get("BLOCK_D", 0)) > 128:
+        small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
+        return small or configs[-1:]
+    return configs
+
+
+_AUTOTUNE = dict(configs=_configs(), key=["seqlen", "HEAD_DIM", "heads_q", "group", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": _prune})
+
+
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                 heads_q, group, seqlen, scale_log2,
@@ -92,11 +134,30 @@ def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, 
 
 
 @triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, sob, soh, sos, sdb, sdh, sds, heads_q, seqlen,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta = rowsum(dO * O) in fp32, read straight from the (strided) inputs: no fp32 copies of O, dO.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen
+    mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + bh * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=mask_m)
+
+
+@triton.autotune(**_AUTOTUNE)
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                     heads_q, group, seqlen, scale, scale_log2,
+                     sdb, sdh, sds, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, heads_q, group, seqlen, scale, scale_log2,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, DOT: tl.constexpr):
-    # q, o, dO, dq share strides (sq*); k, dk share sk*; v, dv share sv* (the wrapper makes them so).
+    # Every tensor has its own strides (sq* q, sk* k, sv* v, sd* dO, sdk* dK, sdv* dV): strided views are
+    # read in place, so the backward makes no .contiguous() copies. The head dim must be unit-stride.
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     heads_kv = heads_q // group
@@ -119,14 +180,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, s
     for g in range(group):  # every query head of this kv head's GQA group: dK/dV summed in registers
         h = hk * group + g
         q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
         row_base = (b * heads_q + h) * seqlen
         for start_m in range(lo, seqlen, BLOCK_M):
             offs_m = start_m + offs_m0
             mask_m = offs_m < seqlen
             mask_md = mask_m[:, None] & mask_d[None, :]
             q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
-            do = tl.load(do_base + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
+            do = tl.load(do_base + offs_m[:, None] * sds + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
             lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale_log2  # (n, m): transposed scores
@@ -139,15 +200,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, s
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(Q.dtype.element_ty).to(DOT), q, input_precision="ieee")
 
-    tl.store(DK + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=mask_nd)
-    tl.store(DV + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=mask_nd)
 
 
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                   heads_q, group, seqlen, scale, scale_log2,
+                   sdb, sdh, sds, sdqb, sdqh, sdqs, heads_q, group, seqlen, scale, scale_log2,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, DOT: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -162,7 +224,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, sv
     mask_d = offs_d < HEAD_DIM
     mask_md = mask_m[:, None] & mask_d[None, :]
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
-    do = tl.load(DO + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=mask_md, other=0.0).to(DOT)
     lse = tl.load(LSE + bh * seqlen + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * seqlen + offs_m, mask=mask_m, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -187,8 +249,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqs, skb, skh, sks, sv
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(K.dtype.element_ty).to(DOT), k, input_precision="ieee")
 
-    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=mask_md)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=mask_md)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> str | None:
@@ -212,13 +274,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _meta(q: torch.Tensor) -> dict:
-    bm, bn = _blocks()
     # Operand dtype of every tl.dot: the input dtype (the cast is then a no-op), except that Triton's
     # interpreter multiplies bf16 bit patterns in tl.dot (a documented limitation); bf16 values are exact
     # in fp32, so there fp32 operands compute what the GPU's bf16 x bf16 -> fp32 dot computes.
     upcast = _interpreting() and q.dtype == torch.bfloat16
-    return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])), "BLOCK_M": bm,
-            "BLOCK_N": bn, "DOT": tl.float32 if upcast else _TL_DTYPES[q.dtype]}
+    return {"HEAD_DIM": q.shape[-1], "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])),
+            "DOT": tl.float32 if upcast else _TL_DTYPES[q.dtype]}
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -228,31 +289,33 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     b, nq, s, _ = q.shape
     o = _alloc(tuple(q.shape), q.dtype, q.device)
     lse = _alloc((b, nq, s), torch.float32, q.device)
-    meta = _meta(q)
-    grid = (triton.cdiv(s, meta["BLOCK_M"]), b * nq)
-    _fwd_kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                      nq, nq // k.shape[1], s, scale * math.log2(math.e), CAUSAL=causal, **meta)
+    _fwd_kernel[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * nq)](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        nq, nq // k.shape[1], s, scale * math.log2(math.e), CAUSAL=causal, **_meta(q))
     return o, lse
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    """Returns (dq, dk, dv) in the input dtypes."""
-    # One stride set serves q/dO/dq, another k/dk, another v/dv: make them contiguous and alike.
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    """Returns (dq, dk, dv) in the input dtypes. Strided inputs are read in place (only a head dim that
+    is not unit-stride is copied)."""
+    q, k, v, do, o = (_unit_last(t) for t in (q, k, v, do, o))
     b, nq, s, _ = q.shape
     nkv = k.shape[1]
-    # delta = rowsum(dO * O): one cheap elementwise pass, done in fp32 by torch.
-    delta = (do.float() * o.float()).sum(-1)
+    meta = _meta(q)
+    delta = _alloc((b, nq, s), torch.float32, q.device)
+    bm = _blocks()[0] if _interpreting() else 64
+    _bwd_delta_kernel[(triton.cdiv(s, bm), b * nq)](o, do, delta, *o.stride()[:3], *do.stride()[:3], nq, s,
+                                                     HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm)
     dq = _alloc(tuple(q.shape), q.dtype, q.device)
     dk = _alloc(tuple(k.shape), k.dtype, k.device)
     dv = _alloc(tuple(v.shape), v.dtype, v.device)
-    meta = _meta(q)
-    args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], nq, nq // nkv, s, scale, scale * math.log2(math.e))
-    _bwd_dkdv_kernel[(triton.cdiv(s, meta["BLOCK_N"]), b * nkv)](q, k, v, do, lse, delta, dk, dv, *args,
-                                                                 CAUSAL=causal, **meta)
-    _bwd_dq_kernel[(triton.cdiv(s, meta["BLOCK_M"]), b * nq)](q, k, v, do, lse, delta, dq, *args,
-                                                              CAUSAL=causal, **meta)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    tail = (nq, nq // nkv, s, scale, scale * math.log2(math.e))
+    _bwd_dkdv_kernel[lambda m: (triton.cdiv(s, m["BLOCK_N"]), b * nkv)](
+        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, CAUSAL=causal, **meta)
+    _bwd_dq_kernel[lambda m: (triton.cdiv(s, m["BLOCK_M"]), b * nq)](
+        q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3], *tail, CAUSAL=causal, **meta)
     return dq, dk, dv
 
 

@@ -97,3 +97,30 @@ def test_unsupported_inputs_are_named(ta):
     assert ta.unsupported_reason(q.double(), q.double(), q.double(), 0.0) is not None
     assert ta.unsupported_reason(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), 0.0) is not None
     assert ta.unsupported_reason(q, q, q, 0.0) is None
+
+
+def test_backward_reads_strided_grad_output_in_place(ta):
+    """dO as a transposed view of [b, s, h, d] (what autograd hands back after the model's permute) gives
+    bit-identical gradients to a contiguous dO: the kernels take its strides, no copy is needed."""
+    b, nq, s, d = 1, 2, 21, 16
+    q, k, v, do = _inputs(b, nq, nq, s, d, torch.float32, seed=5)
+    o, lse = ta.attention_forward(q, k, v, True, 0.25)
+    strided = do.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    for got, want in zip(ta.attention_backward(strided, q, k, v, o, lse, True, 0.25),
+                         ta.attention_backward(do, q, k, v, o, lse, True, 0.25), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_autotune_configs_one_small_under_interpreter_amd_knobs_only_on_hip(ta, monkeypatch):
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in ta._fwd_kernel.configs] == [(16, 16)]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "hip", None)
+    nvidia = ta._configs()
+    assert len(nvidia) > 1 and not any("waves_per_eu" in c.kwargs for c in nvidia)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    amd = ta._configs()
+    assert all("waves_per_eu" in c.kwargs and "matrix_instr_nonkdim" in c.kwargs for c in amd)
+    assert all(c.kwargs["BLOCK_N"] <= 64 for c in amd)
+    wide = ta._prune(nvidia, {}, BLOCK_D=256)
+    assert wide and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in wide)
