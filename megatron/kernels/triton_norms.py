@@ -23,18 +23,42 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _num_warps(block: int) -> int:
-    return min(16, max(1, block // 256))
+# Rows wider than this take the two-kernel backward: dx alone (no per-program dgamma/dbeta accumulators in
+# registers), then a column-tiled dgamma/dbeta pass. At 12288 columns the fused kernel's two extra fp32
+# rows of accumulators spilled registers: LayerNorm ran 5.8x slower than torch there while RMSNorm (one
+# accumulator) was at parity. Tests lower it to exercise the split path on small rows.
+SPLIT_BLOCK = 8192
 
 
-def _rows_per_tile(block: int) -> int:
-    # Under the interpreter every tile costs Python overhead: take many rows at once. On a GPU, narrow
-    # rows are packed so a program still moves ~4K elements; wide rows go one per program.
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 16
-    return max(1, min(16, 4096 // block))
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _configs() -> list[triton.Config]:
+    """Autotune candidates: rows per tile x warps (pruned per row width by _prune).
+
+    Under the interpreter: one config (16 rows, 1 warp), so nothing is benchmarked: every tile costs
+    Python time there, so many rows at once. On ROCm (MI250X, unmeasured) a warp is a 64-lane wavefront,
+    so the same count of warps holds twice the lanes; waves_per_eu 0 leaves occupancy to the compiler.
+    """
+    if _interpreting():
+        return [triton.Config({"ROWS": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"ROWS": r}, num_warps=w, num_stages=1) for r in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    # A tile of ROWS x BLOCK fp32 values lives in registers: keep it between 1K and 16K elements (a wide
+    # row alone may exceed that), with at least 32 elements per thread-lane group of a warp.
+    block = kwargs.get("BLOCK", nargs.get("BLOCK"))
+    keep = [c for c in configs if (c.kwargs["ROWS"] == 1 or 1024 <= c.kwargs["ROWS"] * block <= 16384)
+            and c.num_warps * 32 * 4 <= max(128, c.kwargs["ROWS"] * block)]
+    return keep or configs[:1]
+
+
+_AUTOTUNE = dict(configs=_configs(), key=["n_cols"], prune_configs_by={"early_config_prune": _prune})
+
+
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -59,12 +83,15 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols,
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx,
                      n_rows, n_cols, rows_per_prog,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # Each program owns a strip of rows_per_prog rows, walked ROWS at a time: it writes their dx and one
-    # partial row of dgamma/dbeta (stage 1 of the row reduction; the wrapper sums the partials).
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ACC_W: tl.constexpr):
+    # Each program owns a strip of rows_per_prog rows, walked ROWS at a time: it writes their dx and, with
+    # ACC_W, one partial row of dgamma/dbeta (stage 1 of the row reduction; the wrapper sums the partials).
+    # Without ACC_W (wide rows) dgamma/dbeta come from _norm_dwdb_kernel instead.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -92,12 +119,45 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, strid
             c2 = (tl.sum(wdy, 1) / n_cols)[:, None]
             dx = (wdy - xhat * c1 - c2) * rstd
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if ACC_W:
+            dw_acc += tl.sum(dy * xhat, 0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, 0)
+    if ACC_W:
+        tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+        if HAS_BIAS:
+            tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
+
+
+@triton.jit
+def _norm_dwdb_kernel(DY, X, MEAN, RSTD, DW_PART, DB_PART, stride_x, stride_dy, n_rows, n_cols, rows_per_prog,
+                      ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Stage 1 of dgamma/dbeta for wide rows: program (column tile, row strip) sums dy * xhat (and dy) over
+    # its strip for BLOCK_C columns; a (ROWS, BLOCK_C) tile at a time keeps registers small at any width.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    strip = tl.program_id(1)
+    col_ok = cols < n_cols
+    dw_acc = tl.zeros([BLOCK_C], tl.float32)
+    db_acc = tl.zeros([BLOCK_C], tl.float32)
+    row_start = strip * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+        if RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd, 0.0)
         dw_acc += tl.sum(dy * xhat, 0)
         if HAS_BIAS:
             db_acc += tl.sum(dy, 0)
-    tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+    tl.store(DW_PART + strip * n_cols + cols, dw_acc, mask=col_ok)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
+        tl.store(DB_PART + strip * n_cols + cols, db_acc, mask=col_ok)
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -128,12 +188,10 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     mean = _alloc((0 if rms else rows,), torch.float32, x.device)
     rstd = _alloc((rows,), torch.float32, x.device)
     block = triton.next_power_of_2(cols)
-    tile = _rows_per_tile(block)
     if rows:
-        _norm_fwd_kernel[(triton.cdiv(rows, tile),)](
+        _norm_fwd_kernel[lambda m: (triton.cdiv(rows, m["ROWS"]),)](
             x2, weight, bias if bias is not None else weight, y, mean if not rms else rstd, rstd, x2.stride(0),
-            y.stride(0), rows, cols, eps, ROWS=tile, BLOCK=block, RMS=rms, HAS_BIAS=bias is not None,
-            num_warps=_num_warps(block))
+            y.stride(0), rows, cols, eps, BLOCK=block, RMS=rms, HAS_BIAS=bias is not None)
     return y.view(x.shape), mean, rstd
 
 
@@ -143,17 +201,25 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean:
     x2, dy2 = _rows(x), _rows(dy)
     rows, cols = x2.shape
     dx = _alloc((rows, cols), x.dtype, x.device)
-    # Enough programs to fill a GPU; few under the interpreter, where each program costs Python time.
-    progs = max(1, min(rows, 2 if os.environ.get("TRITON_INTERPRET") == "1" else 512))
-    rows_per_prog = triton.cdiv(max(rows, 1), progs)
-    dw_part = _alloc((progs, cols), torch.float32, x.device)
-    db_part = _alloc((progs, cols), torch.float32, x.device) if has_bias else dw_part
     block = triton.next_power_of_2(cols)
+    split = block >= SPLIT_BLOCK
+    # Enough programs to fill a GPU; few under the interpreter, where each program costs Python time.
+    progs = max(1, min(rows, 2 if _interpreting() else (2048 if split else 512)))
+    rows_per_prog = triton.cdiv(max(rows, 1), progs)
+    # Partial dgamma/dbeta rows: one per program of the fused kernel, or one per row strip when split.
+    strips = max(1, min(rows, 2 if _interpreting() else 256)) if split else progs
+    dw_part = _alloc((strips, cols), torch.float32, x.device)
+    db_part = _alloc((strips, cols), torch.float32, x.device) if has_bias else dw_part
     if rows:
         _norm_bwd_kernel[(progs,)](dy2, x2, weight, mean if not rms else rstd, rstd, dx, dw_part, db_part,
                                    x2.stride(0), dy2.stride(0), dx.stride(0), rows, cols, rows_per_prog,
-                                   ROWS=_rows_per_tile(block), BLOCK=block, RMS=rms, HAS_BIAS=has_bias,
-                                   num_warps=_num_warps(block))
+                                   BLOCK=block, RMS=rms, HAS_BIAS=has_bias, ACC_W=not split)
+        if split:
+            block_c = 64 if _interpreting() else 256
+            _norm_dwdb_kernel[(triton.cdiv(cols, block_c), strips)](
+                dy2, x2, mean if not rms else rstd, rstd, dw_part, db_part, x2.stride(0), dy2.stride(0), rows, cols,
+                triton.cdiv(rows, strips), ROWS=16 if _interpreting() else 32, BLOCK_C=block_c, RMS=rms,
+                HAS_BIAS=has_bias, num_warps=1 if _interpreting() else 4)
     else:
         dw_part.zero_()
         db_part.zero_()

@@ -82,3 +82,37 @@ def test_autograd_functions(tn):
     layer_norm_ref(x64, w64, None, EPS, rms=True)[0].backward(dy.double())
     for a, r in zip(got, (x64.grad, w64.grad), strict=True):
         assert rel_err(a, r) <= 1e-5
+
+
+@pytest.mark.parametrize("shape,rms,bias", [((37, 100), False, True), ((5, 3, 129), True, False), ((1, 64), False, True)])
+def test_wide_row_split_backward_matches_fused(tn, monkeypatch, shape, rms, bias):
+    """The wide-row backward (dx kernel + column-tiled dgamma/dbeta pass) against the fused kernel and
+    float64; SPLIT_BLOCK is lowered so small rows take the path 12288-wide rows take on a GPU."""
+    g = torch.Generator().manual_seed(11)
+    cols = shape[-1]
+    x = torch.randn(shape, generator=g) * 2 + 5
+    w = 1 + 0.5 * torch.randn(cols, generator=g)
+    b = torch.randn(cols, generator=g) if bias else None
+    dy = torch.randn(shape, generator=g)
+    y, mean, rstd = tn.norm_forward(x, w, b, EPS, rms)
+    fused = tn.norm_backward(dy, x, w, mean, rstd, bias, rms)
+    monkeypatch.setattr(tn, "SPLIT_BLOCK", 64)
+    split = tn.norm_backward(dy, x, w, mean, rstd, bias, rms)
+    assert torch.equal(split[0], fused[0])  # dx: the same arithmetic, only dgamma/dbeta moved
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if bias else None
+    layer_norm_ref(x64, w64, b64, EPS, rms)[0].backward(dy.double())
+    assert not split[1].isnan().any() and rel_err(split[1], w64.grad) <= 1e-5
+    if bias:
+        assert rel_err(split[2], b64.grad) <= 1e-5
+
+
+def test_norm_autotune_one_config_under_interpreter_pruned_on_gpu(tn, monkeypatch):
+    assert [c.kwargs["ROWS"] for c in tn._norm_fwd_kernel.configs] == [16]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    gpu = tn._configs()
+    wide = tn._prune(gpu, {}, BLOCK=16384)
+    assert wide and all(c.kwargs["ROWS"] == 1 for c in wide)
+    narrow = tn._prune(gpu, {}, BLOCK=128)
+    assert narrow and all(c.num_warps * 128 <= max(128, c.kwargs["ROWS"] * 128) for c in narrow)
+    assert all(c.kwargs["ROWS"] * 128 >= 1024 for c in narrow if c.kwargs["ROWS"] > 1)
