@@ -21,6 +21,7 @@ from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.training.lr_schedule import OptimizerParamScheduler
+from megatron.training.optimizer import make_adamw
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepspeed_configs")
 
@@ -184,12 +185,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     if hcfg is not None:  # our own sharded engine; DeepSpeed never sees the section
         return hierarchical_zero.create_engine(
             model, run, pstate, hcfg,
-            lambda groups: torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                                             weight_decay=o.weight_decay),
+            lambda groups: make_adamw(groups, o, weight_decay=o.weight_decay),
             lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
     ds_config = {k: v for k, v in ds_config.items() if k != hierarchical_zero.SECTION}
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                  eps=o.adam_eps)
+    # Fused AdamW on an accelerator (megatron/training/optimizer.py); host-offloaded states stay unfused.
+    offload = (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    optimizer = make_adamw(param_groups(model, o.weight_decay), o, device_type="cpu" if offload == "cpu" else None)
     scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.

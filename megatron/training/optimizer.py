@@ -1,0 +1,45 @@
+"""The AdamW every engine path builds: torch's fused kernel on an accelerator, the reference loop on CPU.
+
+Why: the H100 profile of the GPT 1.3B step spent 11% of GPU time in the for-each AdamW over fp32
+masters; ``fused=True`` does the whole update in one kernel per parameter group chunk, with the same
+update rule (decoupled weight decay, bias correction). On CPU the optimizer stays exactly as before (the
+default single-tensor path), so every CPU test's numerics are unchanged: torch also has a CPU fused
+AdamW, but its rounding differs and nothing would gain from it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.config import OptimizerConfig
+
+
+def fused_supported(device_type: str) -> bool:
+    """Whether torch has a fused AdamW for this (non-CPU) device type."""
+    if device_type == "cpu":
+        return False
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # older torch: CUDA (and ROCm, which reports "cuda") only
+        return device_type == "cuda"
+    return device_type in _get_fused_kernels_supported_devices()
+
+
+def accelerator_device_type() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()  # "cuda" (also on ROCm), "cpu", "xpu", ...
+    return name.split(":")[0]
+
+
+def make_adamw(params, o: OptimizerConfig, device_type: str | None = None, **extra) -> torch.optim.AdamW:
+    """AdamW over ``params`` (tensors or param groups) with the run's hyper-parameters.
+
+    ``device_type`` defaults to the accelerator's: the model may still be on the host when the optimizer
+    is built (DeepSpeed moves the same Parameter objects to the device afterwards).
+    """
+    kind = device_type or accelerator_device_type()
+    kwargs = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, **extra)
+    if fused_supported(kind):
+        kwargs["fused"] = True
+    return torch.optim.AdamW(params, **kwargs)
