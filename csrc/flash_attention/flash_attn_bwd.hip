@@ -34,6 +34,24 @@ __device__ inline void load_rows(uint16_t (*dst)[D], const uint16_t* src, int r0
   }
 }
 
+// LDS of the dK/dV kernel, one struct because at d=128 it is 49.8 KB: over CUDA's 48 KB of static shared
+// memory, so under nvcc MF_BLOCK_SHARED places it in dynamic shared memory (same layout on both platforms).
+template <int D>
+struct DkdvShared {
+  static constexpr int BM = BwdTile<D>::kBlockM;
+  static constexpr int KP = D + 2;  // bank-conflict padding, as in the forward kernel
+  // 16-byte alignment, as the compiler gives separate __shared__ arrays: it lets LDS accesses vectorise.
+  alignas(16) uint16_t k_s[kBlockN][KP];
+  alignas(16) uint16_t v_s[kBlockN][KP];
+  alignas(16) uint16_t q_s[BM][D];
+  alignas(16) uint16_t do_s[BM][D];
+  alignas(16) float p_s[BM][kBlockN];
+  alignas(16) float ds_s[BM][kBlockN];
+  alignas(16) float lse_s[BM];
+  alignas(16) float delta_s[BM];
+};
+static_assert(sizeof(DkdvShared<128>) <= 64 * 1024, "a gfx90a CU has 64 KB of LDS");
+
 template <class T, int D, bool kCausal>
 __global__ __launch_bounds__(kThreads) void flash_bwd_dkdv_kernel(
     const uint16_t* __restrict__ q, const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
@@ -43,16 +61,16 @@ __global__ __launch_bounds__(kThreads) void flash_bwd_dkdv_kernel(
   constexpr int BM = Tile::kBlockM;
   constexpr int KW = Tile::kKeysPerWave;
   constexpr int C = D / kWave;
-  constexpr int KP = D + 2;  // bank-conflict padding, as in the forward kernel
 
-  __shared__ uint16_t k_s[kBlockN][KP];
-  __shared__ uint16_t v_s[kBlockN][KP];
-  __shared__ uint16_t q_s[BM][D];
-  __shared__ uint16_t do_s[BM][D];
-  __shared__ float p_s[BM][kBlockN];
-  __shared__ float ds_s[BM][kBlockN];
-  __shared__ float lse_s[BM];
-  __shared__ float delta_s[BM];
+  MF_BLOCK_SHARED(DkdvShared<D>, lds);
+  auto& k_s = lds.k_s;
+  auto& v_s = lds.v_s;
+  auto& q_s = lds.q_s;
+  auto& do_s = lds.do_s;
+  auto& p_s = lds.p_s;
+  auto& ds_s = lds.ds_s;
+  auto& lse_s = lds.lse_s;
+  auto& delta_s = lds.delta_s;
 
   const int tid = threadIdx.x, lane = tid % kWave, wave = tid / kWave;
   const int heads_kv = heads_q / group;
@@ -243,9 +261,10 @@ static int launch_bwd(const AttnParams& p, hipStream_t stream) {
   hipLaunchKernelGGL((flash_bwd_delta_kernel<T, D>), dim3((rows + kWaves - 1) / kWaves), dim3(kThreads), 0, stream,
                      dout, static_cast<const uint16_t*>(p.o), p.delta, rows);
   const dim3 grid_kv((p.seqlen + kBlockN - 1) / kBlockN, p.batch * p.heads_kv);
-  hipLaunchKernelGGL((flash_bwd_dkdv_kernel<T, D, kCausal>), grid_kv, dim3(kThreads), 0, stream, q, k, v, dout,
-                     p.lse, p.delta, static_cast<uint16_t*>(p.dk), static_cast<uint16_t*>(p.dv), p.heads_q, group,
-                     p.seqlen, p.scale);
+  const size_t dkdv_shared = mf_gpu::block_shared_bytes<DkdvShared<D>>(flash_bwd_dkdv_kernel<T, D, kCausal>);
+  hipLaunchKernelGGL((flash_bwd_dkdv_kernel<T, D, kCausal>), grid_kv, dim3(kThreads), dkdv_shared, stream, q, k, v,
+                     dout, p.lse, p.delta, static_cast<uint16_t*>(p.dk), static_cast<uint16_t*>(p.dv), p.heads_q,
+                     group, p.seqlen, p.scale);
   const dim3 grid_q((p.seqlen + BwdTile<D>::kBlockM - 1) / BwdTile<D>::kBlockM, p.batch * p.heads_q);
   hipLaunchKernelGGL((flash_bwd_dq_kernel<T, D, kCausal>), grid_q, dim3(kThreads), 0, stream, q, k, v, dout, p.lse,
                      p.delta, static_cast<uint16_t*>(p.dq), p.heads_q, group, p.seqlen, p.scale);

@@ -1,19 +1,22 @@
 // Device helpers shared by the flash-attention kernels: 16-bit storage types and wavefront-64 reductions.
 // 16-bit values travel as raw uint16_t so LDS arrays stay trivially constructible on every ROCm version.
+// The runtime and the wave-64 helpers come from ../common/wave64.h, which also makes this compile with nvcc.
 #pragma once
-
-#include <hip/hip_runtime.h>
 
 #include <cstdint>
 
+#include "../common/wave64.h"
+
 namespace mf_flash {
 
-constexpr int kWave = 64;  // gfx90a wavefront size: every reduction below spans 64 lanes, not 32
+constexpr int kWave = mf_gpu::kWaveSize;  // gfx90a wavefront: every reduction spans 64 lanes, not 32
+using mf_gpu::wave_max;
+using mf_gpu::wave_sum;
 
 struct Fp16 {
   using Storage = uint16_t;
-  __device__ static inline float load(uint16_t b) { return static_cast<float>(__builtin_bit_cast(_Float16, b)); }
-  __device__ static inline uint16_t store(float f) { return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f)); }
+  __device__ static inline float load(uint16_t b) { return mf_gpu::half_bits_to_float(b); }
+  __device__ static inline uint16_t store(float f) { return mf_gpu::float_to_half_bits(f); }
 };
 
 struct Bf16 {
@@ -27,18 +30,6 @@ struct Bf16 {
     return static_cast<uint16_t>(u >> 16);
   }
 };
-
-__device__ inline float wave_sum(float v) {
-#pragma unroll
-  for (int off = kWave / 2; off > 0; off >>= 1) v += __shfl_xor(v, off, kWave);
-  return v;
-}
-
-__device__ inline float wave_max(float v) {
-#pragma unroll
-  for (int off = kWave / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor(v, off, kWave));
-  return v;
-}
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -2,15 +2,14 @@
 // in fp32 (Welford for the variance), per-row mean and rstd saved for the backward pass. The gamma/beta
 // gradients are reduced across rows in two deterministic stages (row chunks, then chunks), no atomics.
 // No torch headers: see fused_norm.cpp for the binding.
-#include <hip/hip_runtime.h>
-
 #include <cstdint>
 
+#include "../common/wave64.h"  // the HIP runtime on AMD, its CUDA equivalents and a 64-lane wave on nvcc
 #include "fused_norm.h"
 
 namespace mf_norm {
 
-constexpr int kWave = 64;  // gfx90a wavefront size
+constexpr int kWave = mf_gpu::kWaveSize;  // gfx90a wavefront size
 constexpr int kWaves = 4;
 constexpr int kThreads = kWave * kWaves;
 constexpr int64_t kMaxChunks = 256;  // first-stage row chunks of the gamma/beta reduction
@@ -23,8 +22,8 @@ struct F32 {
 
 struct F16 {
   using Storage = uint16_t;
-  __device__ static inline float load(uint16_t b) { return static_cast<float>(__builtin_bit_cast(_Float16, b)); }
-  __device__ static inline uint16_t store(float f) { return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f)); }
+  __device__ static inline float load(uint16_t b) { return mf_gpu::half_bits_to_float(b); }
+  __device__ static inline uint16_t store(float f) { return mf_gpu::float_to_half_bits(f); }
 };
 
 struct BF16 {
@@ -38,20 +37,16 @@ struct BF16 {
   }
 };
 
-__device__ inline float wave_sum(float v) {
-#pragma unroll
-  for (int off = kWave / 2; off > 0; off >>= 1) v += __shfl_xor(v, off, kWave);
-  return v;
-}
+using mf_gpu::wave_sum;
 
 // Chan et al.'s pairwise merge of (count, mean, M2) across the 64 lanes: numerically safe for rows
 // whose mean is large compared with their spread, where sum(x^2) - n mean^2 would cancel.
 __device__ inline void wave_welford(float& n, float& mean, float& m2) {
 #pragma unroll
   for (int off = kWave / 2; off > 0; off >>= 1) {
-    const float n_b = __shfl_xor(n, off, kWave);
-    const float mean_b = __shfl_xor(mean, off, kWave);
-    const float m2_b = __shfl_xor(m2, off, kWave);
+    const float n_b = mf_gpu::wave_shfl_xor(n, off);
+    const float mean_b = mf_gpu::wave_shfl_xor(mean, off);
+    const float m2_b = mf_gpu::wave_shfl_xor(m2, off);
     const float n_ab = n + n_b;
     if (n_ab > 0.f) {
       const float d = mean_b - mean;
