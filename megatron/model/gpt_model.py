@@ -66,10 +66,10 @@ class OutputLayer(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None, tied_weight: torch.Tensor | None):
         """x: [s(/tp), b, h]; labels: [b, s]."""
         logits, _ = self.linear(x, weight=tied_weight)  # [s, b, V/tp]
-        logits = logits.transpose(0, 1)  # [b, s, V/tp]
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp)
+            return logits.transpose(0, 1)  # [b, s, V/tp]
+        # The loss walks [s, b, V/tp] in contiguous chunks of positions (no fp32 copy of all logits).
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp).t()  # [b, s]
 
 
 def recompute_layer_count(cfg: ModelConfig, num_layers: int | None = None) -> int:

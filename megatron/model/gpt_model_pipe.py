@@ -87,7 +87,9 @@ class LMLoss:
 
     def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         target, mask = labels
-        losses = vocab_parallel_cross_entropy(logits.float(), target, self.tp)  # [b, s]
+        # logits arrive as the [b, s, V/tp] view of [s, b, V/tp]: undo the view so the loss's chunks are
+        # contiguous, and no .float(): the loss upcasts one chunk at a time.
+        losses = vocab_parallel_cross_entropy(logits.transpose(0, 1), target.t(), self.tp).t()  # [b, s]
         mask = mask.float()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -37,3 +37,35 @@ def test_adamw_fused_only_off_cpu_and_cpu_update_unchanged():
     finally:
         torch.optim.AdamW = real
     assert seen.get("fused") is True and seen["betas"] == (0.9, 0.95)
+
+
+def test_chunked_cross_entropy_matches_torch_and_the_one_chunk_path(monkeypatch):
+    from megatron.core.parallel_state import GroupInfo
+    from megatron.core.tensor_parallel import cross_entropy as ce
+
+    tp = GroupInfo([0], 0, None)
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 3, 50, generator=g) * 4).requires_grad_()  # [s, b, V]
+    target = torch.randint(0, 50, (7, 3), generator=g)
+    gout = torch.rand(7, 3, generator=g)
+    one = ce.vocab_parallel_cross_entropy(logits, target, tp)
+    (grad_one,) = torch.autograd.grad(one, logits, gout)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), target.reshape(-1), reduction="none")
+    torch.testing.assert_close(one, ref.view(7, 3), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 2 * 3 * 50)  # 4 chunks of 2, 2, 2, 1 positions
+    assert len(ce._chunks(7, 150)) == 4
+    many = ce.vocab_parallel_cross_entropy(logits, target, tp)
+    (grad_many,) = torch.autograd.grad(many, logits, gout)
+    assert torch.equal(many, one) and torch.equal(grad_many, grad_one)
+
+    # bf16 logits: fp32 statistics, the gradient comes back in bf16 (never an fp32 copy of all logits).
+    lb = logits.detach().bfloat16().requires_grad_()
+    loss = ce.vocab_parallel_cross_entropy(lb, target, tp)
+    (gb,) = torch.autograd.grad(loss, lb, gout)
+    ref_b = torch.nn.functional.cross_entropy(lb.float().reshape(-1, 50), target.reshape(-1), reduction="none")
+    assert loss.dtype == torch.float32 and gb.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref_b.view(7, 3), rtol=1e-5, atol=1e-5)
+    lf = lb.detach().float().requires_grad_()
+    torch.nn.functional.cross_entropy(lf.reshape(-1, 50), target.reshape(-1), reduction="none").backward(
+        gout.reshape(-1))
+    torch.testing.assert_close(gb.float(), lf.grad, rtol=1e-2, atol=1e-3)
