@@ -1,7 +1,8 @@
 """Install Megatron-Frontier: `pip install -e .[test]`.
 
-Builds the pybind11 data-index helpers always, and the HIP kernels only when torch is a ROCm/CUDA
-build (on CPU torch they are skipped cleanly; see README "What is verified").
+Builds the pybind11 data-index helpers always, and the csrc GPU kernels only when torch is a ROCm or CUDA
+build (optional: a failed kernel build is a warning; on CPU torch they are skipped cleanly; see README
+"What is verified").
 """
 
 import os
@@ -15,6 +16,7 @@ except ImportError as e:  # pragma: no cover - pybind11 is a build requirement i
 
 
 def _ext_modules():
+    """(extensions, build_ext command): torch's BuildExtension when GPU kernels are built (it knows nvcc/hipcc)."""
     exts = [
         Pybind11Extension(
             "megatron.data._helpers",
@@ -23,14 +25,21 @@ def _ext_modules():
             extra_compile_args=["-O3"],
         )
     ]
+    build_cmd = build_ext
     if os.path.exists("csrc/build_gpu.py"):
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("build_gpu", "csrc/build_gpu.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        exts += mod.gpu_extensions()
-    return [e for e in exts if os.path.exists(e.sources[0])]
+        gpu = mod.gpu_extensions()
+        if gpu:
+            exts += gpu
+            build_cmd = mod.build_ext_class()
+    return [e for e in exts if os.path.exists(e.sources[0])], build_cmd
+
+
+_EXT_MODULES, _BUILD_EXT = _ext_modules()
 
 
 setup(
@@ -50,6 +59,6 @@ setup(
         "pybind11",
     ],
     extras_require={"test": ["pytest", "matplotlib"]},
-    ext_modules=_ext_modules(),
-    cmdclass={"build_ext": build_ext},
+    ext_modules=_EXT_MODULES,
+    cmdclass={"build_ext": _BUILD_EXT},
 )

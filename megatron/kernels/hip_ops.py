@@ -1,4 +1,4 @@
-"""Loader and autograd wrappers for the HIP kernels compiled from csrc/ (only present on ROCm builds)."""
+"""Loader and autograd wrappers for the HIP kernels compiled from csrc/ (built on ROCm or CUDA torch)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which backend runs a kernel call: the HIP extension, Triton, or torch. Decided per call, logged once.
 
-Availability: "hip" needs the csrc extension built (ROCm torch) and a GPU tensor; "triton" needs triton
+Availability: "hip" needs the csrc extension built (ROCm or CUDA torch) and a GPU tensor; "triton" needs triton
 importable and either a GPU tensor or TRITON_INTERPRET=1 (the CPU interpreter used by the tests). "auto"
 takes the first available of hip > triton > torch. An explicit request that is unavailable here falls
 back to the "auto" choice with a one-time warning, so a flag never makes a run fail on a CPU machine.
@@ -63,7 +63,7 @@ def available(backend: str, op: str, device: torch.device) -> tuple[bool, str]:
         from megatron.kernels import hip_ops
 
         if not hip_ops.built(op):
-            return False, "the csrc HIP extension is not built (needs ROCm torch at install time)"
+            return False, "the csrc HIP extension is not built (needs ROCm or CUDA torch at install time)"
         if not _is_gpu(device):
             return False, f"device is {device.type}"
         return True, ""
