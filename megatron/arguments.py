@@ -41,6 +41,8 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None)
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--openai-gelu", action="store_true", default=None,
+                   help="GeLU with the tanh approximation (HF GPT-2's gelu_new) instead of the exact erf form")
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
     g.add_argument("--rotary-base", type=float, default=10000.0)
@@ -57,6 +59,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-flash-attn", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
                    help="the HIP flash-attention kernel (csrc/), when built")
     g.add_argument("--use-flash-attn-triton", action="store_true")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="add fc1's bias in the matmul instead of inside the GeLU")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="add the output projections' bias before dropout, not in the fused bias-dropout-add")
+    g.add_argument("--compile", dest="torch_compile", action="store_true",
+                   help="torch.compile each transformer layer (accelerators only; ignored on CPU)")
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -167,7 +175,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
         "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
         "seq_length": args.seq_length, "max_position_embeddings": args.max_position_embeddings,
-        "normalization": args.normalization, "swiglu": args.swiglu,
+        "normalization": args.normalization, "swiglu": args.swiglu, "openai_gelu": args.openai_gelu,
         "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
     }
     if args.position_embedding_type or args.use_rotary_position_embeddings:
@@ -183,6 +191,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
         recompute_granularity=granularity, recompute_num_layers=args.recompute_num_layers,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        torch_compile=args.torch_compile,
     )
     if args.model_size:
         return named_model(args.model_size, **overrides, **common)

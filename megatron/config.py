@@ -32,6 +32,8 @@ class ModelConfig:
     """'layernorm' or 'rmsnorm'."""
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False
+    """GeLU with the tanh approximation (Megatron's --openai-gelu; HF GPT-2's gelu_new), else the exact erf GeLU."""
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' or 'rope'."""
     rotary_base: float = 10000.0
@@ -50,6 +52,14 @@ class ModelConfig:
     recompute_granularity: str | None = None
     """None, 'full' or 'selective'."""
     recompute_num_layers: int | None = None
+    bias_gelu_fusion: bool = True
+    """fc1 skips its bias add and GeLU(y + bias) runs as one function (megatron/model/fusions.py), as
+    Megatron's default (--no-bias-gelu-fusion turns it off); torch.compile fuses it into one kernel."""
+    bias_dropout_fusion: bool = True
+    """Output projections hand back their bias and bias add + dropout + residual add run as one function
+    (Megatron's default; --no-bias-dropout-fusion turns it off). Same arithmetic as the unfused path."""
+    torch_compile: bool = False
+    """--compile: torch.compile each transformer layer (megatron/model/compile.py); ignored on CPU."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -121,6 +131,8 @@ class ModelConfig:
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}: "
                 "raise --max-position-embeddings or shorten --seq-length"
             )
+        if self.openai_gelu and self.swiglu:
+            raise ConfigError("--openai-gelu with --swiglu: SwiGLU's MLP has no GeLU; drop one of them")
         if self.normalization not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"--normalization {self.normalization!r}: choose 'layernorm' or 'rmsnorm'")
         if self.position_embedding_type not in ("learned_absolute", "rope"):

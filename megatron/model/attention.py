@@ -40,7 +40,7 @@ class SelfAttention(nn.Module):
             else cfg.init_method_std
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, init_std=proj_std,
-            init_key=f"layers.{layer_number}.attention.dense", **common)
+            init_key=f"layers.{layer_number}.attention.dense", skip_bias_add=cfg.bias_dropout_fusion, **common)
         self.selective_recompute = cfg.recompute_granularity == "selective"
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -50,8 +50,9 @@ class SelfAttention(nn.Module):
             return dot_product_attention(q, k, v, causal=True, dropout_p=dropout,
                                          backend=self.cfg.attention_backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s(/tp with SP), b, h] -> [s(/tp), b, h]."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [s(/tp with SP), b, h] -> ([s(/tp), b, h], the projection's bias [h] if left un-added for
+        the fused bias-dropout-add, else None)."""
         mixed, _ = self.query_key_value(x)  # [s, b, (nq + 2 nkv)/tp * d]
         s, b = mixed.shape[0], mixed.shape[1]
         g = self.heads // self.kv_heads
@@ -68,5 +69,4 @@ class SelfAttention(nn.Module):
         else:
             ctx = self._core(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, nq/tp * d]
-        out, _ = self.dense(ctx)
-        return out
+        return self.dense(ctx)

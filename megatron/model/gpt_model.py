@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.core.tensor_parallel.recompute import checkpoint
+from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
@@ -35,6 +36,7 @@ class GPTModel(nn.Module):
                                     sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
         self.checkpointed_layers = recompute_layer_count(cfg)
+        compile_transformer_layers(self, cfg.torch_compile)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

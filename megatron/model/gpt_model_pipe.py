@@ -31,6 +31,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.recompute import checkpoint
 from megatron.errors import ConfigError
+from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import OutputLayer, recompute_layer_count
 from megatron.model.norms import Norm
@@ -182,6 +183,7 @@ class GPTModelPipe(PipelineModule):
         layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
         for i, layer in enumerate(layers):
             layer.recompute = i < recompute_layer_count(cfg, len(layers))
+        compile_transformer_layers(self, cfg.torch_compile)
 
     def _synchronize_tied_weights(self) -> None:
         # DeepSpeed broadcasts the tied weight in place; outside no_grad autograd records the broadcast

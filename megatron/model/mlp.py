@@ -10,6 +10,7 @@ from megatron.config import ModelConfig
 from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import scaled_init_std
+from megatron.model.fusions import bias_gelu
 
 
 class MLP(nn.Module):
@@ -17,26 +18,29 @@ class MLP(nn.Module):
                  init_seed: int) -> None:
         super().__init__()
         self.swiglu = cfg.swiglu
+        # "tanh": OpenAI GPT-2's approximation (HF gelu_new / gelu_pytorch_tanh), so imported weights match.
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         common = dict(tp=tp, bias=cfg.add_bias_linear, seed=init_seed, use_cpu_init=cfg.use_cpu_initialization,
                       sequence_parallel=sequence_parallel)
         # SwiGLU's fc1 is [gate; up] stacked: stride 2 keeps each rank's gate and up rows aligned.
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, init_std=cfg.init_method_std, stride=2 if cfg.swiglu else 1,
-            init_key=f"layers.{layer_number}.mlp.fc1", **common)
+            init_key=f"layers.{layer_number}.mlp.fc1", skip_bias_add=cfg.bias_gelu_fusion and not cfg.swiglu,
+            **common)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
             else cfg.init_method_std
         self.dense_4h_to_h = RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, init_std=out_std,
-            init_key=f"layers.{layer_number}.mlp.fc2", **common)
+            init_key=f"layers.{layer_number}.mlp.fc2", skip_bias_add=cfg.bias_dropout_fusion, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s(/tp), b, h] -> [s(/tp), b, h]; the intermediate is [s, b, ffn/tp]."""
-        h, _ = self.dense_h_to_4h(x)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [s(/tp), b, h] -> ([s(/tp), b, h], fc2's bias [h] or None), Megatron's (output, output_bias):
+        the bias comes back un-added with --bias-dropout-fusion. The intermediate is [s, b, ffn/tp]."""
+        h, fc1_bias = self.dense_h_to_4h(x)  # fc1_bias: not None only with bias-GeLU fusion
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
-        out, _ = self.dense_4h_to_h(h)
-        return out
+            h = bias_gelu(h, fc1_bias, self.gelu_approximate)  # erf or tanh GeLU (--openai-gelu) alike
+        return self.dense_4h_to_h(h)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
+from megatron.model.fusions import bias_dropout_add
 from megatron.model.mlp import MLP
 from megatron.model.norms import Norm
 
@@ -31,16 +31,14 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = Norm(cfg.hidden_size, **norm)
         self.mlp = MLP(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel, init_seed=init_seed)
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def _bias_dropout_add(self, y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         p = self.cfg.hidden_dropout if self.training else 0.0
-        if p == 0.0:
-            return x
         # Sequence-parallel shards hold different tokens on each TP rank: draw different masks.
-        ctx = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
+        ctx = get_rng_tracker().fork() if (self.sequence_parallel and p > 0.0) else contextlib.nullcontext()
         with ctx:
-            return F.dropout(x, p=p, training=True)
+            return bias_dropout_add(y, bias, residual, p, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s(/tp with SP), b, h] -> same shape."""
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
-        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = self._bias_dropout_add(*self.self_attention(self.input_layernorm(x)), x)
+        return self._bias_dropout_add(*self.mlp(self.post_attention_layernorm(x)), x)

@@ -69,3 +69,62 @@ def test_chunked_cross_entropy_matches_torch_and_the_one_chunk_path(monkeypatch)
     torch.nn.functional.cross_entropy(lf.reshape(-1, 50), target.reshape(-1), reduction="none").backward(
         gout.reshape(-1))
     torch.testing.assert_close(gb.float(), lf.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_bias_gelu_and_bias_dropout_add_equal_the_unfused_ops():
+    from megatron.model.fusions import bias_dropout_add, bias_gelu
+
+    g = torch.Generator().manual_seed(4)
+    y, b, r = torch.randn(6, 2, 32, generator=g), torch.randn(32, generator=g), torch.randn(6, 2, 32, generator=g)
+    for form in ("none", "tanh"):  # exact erf GeLU and --openai-gelu's tanh form
+        assert torch.equal(bias_gelu(y, b, form), torch.nn.functional.gelu(y + b, approximate=form))
+    assert not torch.equal(bias_gelu(y, b, "none"), bias_gelu(y, b, "tanh"))
+    torch.manual_seed(9)
+    fused = bias_dropout_add(y, b, r, 0.3, training=True)
+    torch.manual_seed(9)
+    assert torch.equal(fused, r + torch.nn.functional.dropout(y + b, p=0.3, training=True))
+    assert torch.equal(bias_dropout_add(y, b, r, 0.3, training=False), r + (y + b))
+
+
+def _gpt_grads(fused: bool, **over):
+    from megatron.core.parallel_state import GroupInfo
+    from megatron.model.gpt_model import GPTModel
+    from megatron.model.sizes import named_model
+
+    cfg = named_model("debug", seq_length=16, hidden_dropout=0.1, attention_dropout=0.0, attention_backend="torch",
+                      bias_gelu_fusion=fused, bias_dropout_fusion=fused, **over)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)  # the same dropout masks in both runs
+    loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_fused_gpt_equals_unfused_on_cpu():
+    for over in ({}, {"openai_gelu": True}):
+        (l0, g0), (l1, g1) = _gpt_grads(False, **over), _gpt_grads(True, **over)
+        # Bit-equal at these sizes: fc1's matmul and bias add round the same whether addmm or mm + add.
+        assert torch.equal(l1, l0)
+        assert all(torch.equal(g1[name], grad) for name, grad in g0.items())
+
+
+def test_compile_flag_reaches_the_layers_and_is_off_on_cpu(monkeypatch):
+    from megatron.arguments import model_config_from_args, parse_args
+    from megatron.core.parallel_state import GroupInfo
+    from megatron.model import compile as mc
+    from megatron.model.gpt_model import GPTModel
+
+    args = parse_args(["--model-size", "debug", "--compile", "--no-bias-gelu-fusion"])
+    cfg = model_config_from_args(args, vocab_size=256)
+    assert cfg.torch_compile and not cfg.bias_gelu_fusion and cfg.bias_dropout_fusion
+    defaults = model_config_from_args(parse_args(["--model-size", "debug"]), vocab_size=256)
+    assert not defaults.torch_compile and defaults.bias_gelu_fusion
+
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    model = GPTModel(cfg, tp=GroupInfo([0], 0, None))  # this machine's accelerator is the CPU: stays eager
+    assert compiled == []
+    assert mc.compile_transformer_layers(model, True, device_type="cuda") == cfg.num_layers
+    assert compiled == list(model.layers)
