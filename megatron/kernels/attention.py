@@ -51,6 +51,7 @@ def dot_product_attention(
     dtype's tolerance; an unsupported shape or dtype falls back to torch.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = measure.resolve(backend)
     if backend == "auto" and measure.enabled(q.device):
         usable = [b for b in select.PREFERENCE if b == "torch" or (
             select.available(b, "attention", q.device)[0] and _unsupported(b, q, k, v, dropout_p) is None)]

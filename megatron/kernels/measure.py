@@ -16,7 +16,8 @@ backend that measured slower than torch.
   so a second run skips the timing; a section for other versions is never read.
 - Only accelerator tensors are measured. A CPU run keeps ``select.choose``'s fixed preference (Triton
   there means the interpreter, a test mode) and never imports triton unless TRITON_INTERPRET=1.
-- ``MEGATRON_KERNEL_SELECT=static`` turns measuring off (then ``auto`` = the fixed preference).
+- ``MEGATRON_KERNEL_SELECT=static`` turns measuring off (then ``auto`` = the fixed preference);
+  ``=torch`` makes ``auto`` mean torch everywhere (the "torch kernels" run of bench/gpu_throughput.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,14 @@ def reset() -> None:
 
 def enabled(device: torch.device) -> bool:
     """Whether ``auto`` measures on this device (accelerators only; see the module doc)."""
-    return device.type != "cpu" and os.environ.get("MEGATRON_KERNEL_SELECT", "measure") != "static"
+    return device.type != "cpu" and os.environ.get("MEGATRON_KERNEL_SELECT", "measure") == "measure"
+
+
+def resolve(backend: str) -> str:
+    """``auto`` -> "torch" when MEGATRON_KERNEL_SELECT=torch; anything else unchanged."""
+    if backend == "auto" and os.environ.get("MEGATRON_KERNEL_SELECT") == "torch":
+        return "torch"
+    return backend
 
 
 def device_name(device: torch.device) -> str:

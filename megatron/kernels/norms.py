@@ -30,6 +30,7 @@ def _pick(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, back
           rms: bool) -> str:
     """The backend that runs this norm call: ``auto`` on an accelerator by measurement (megatron/kernels/
     measure.py); otherwise the chosen one if it takes these inputs, else the next in preference."""
+    backend = measure.resolve(backend)
     if backend == "auto" and measure.enabled(x.device):
         usable = [b for b in select.PREFERENCE if b == "torch" or (
             select.available(b, "norm", x.device)[0] and _why_not(b, x, weight, bias) is None)]

@@ -153,3 +153,18 @@ def test_cpu_run_never_measures_nor_imports_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, cwd=repo)
+
+
+def test_env_forces_torch_or_static(monkeypatch):
+    monkeypatch.setenv("MEGATRON_KERNEL_SELECT", "torch")
+    assert measure.resolve("auto") == "torch" and measure.resolve("triton") == "triton"
+    q, k, v = _qkv()
+    used = []
+    real_run = attention._run
+    monkeypatch.setattr(attention, "_run", lambda b, *a, **kw: used.append(b) or real_run(b, *a, **kw))
+    attention.dot_product_attention(q, k, v)
+    assert used == ["torch"]
+    monkeypatch.setenv("MEGATRON_KERNEL_SELECT", "static")
+    assert not measure.enabled(torch.device("meta"))
+    monkeypatch.delenv("MEGATRON_KERNEL_SELECT")
+    assert measure.enabled(torch.device("meta"))
