@@ -15,16 +15,20 @@ from megatron.model.sizes import named_model
 STEPS = 5
 
 
-def _train(name: str, backend: str) -> list[float]:
+def _train(name: str, backend: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+           **overrides) -> list[float]:
+    """Losses of STEPS AdamW steps on one fixed batch; overrides replace ModelConfig fields (tests/gpu uses
+    device/dtype/overrides to give the HIP kernels head dim 64 in bf16 on a GPU)."""
     # fp32, no dropout: the two runs differ only in the kernels, so losses agree to fp32 rounding.
     # seq 24 = one full and one ragged 16-row tile; batch 1 keeps the interpreter's program count low.
-    cfg = named_model(name, seq_length=24, hidden_dropout=0.0, attention_dropout=0.0, attention_backend=backend)
+    fields = dict(seq_length=24, hidden_dropout=0.0, attention_dropout=0.0, attention_backend=backend)
+    cfg = named_model(name, **{**fields, **overrides})
     torch.manual_seed(0)
-    model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=1234)
+    model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=1234).to(device=device, dtype=dtype)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length + 1), generator=g).to(device)
     losses = []
     for _ in range(STEPS):  # one fixed batch: the loss must fall, which shows the gradients are used
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
