@@ -61,15 +61,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for i, n in _chunks(logits.shape[0], logits[:1].numel()):
-            rows = slice(i, i + n)
+        chunks = _chunks(logits.shape[0], logits[:1].numel())
+
+        def grad_rows(rows: slice) -> torch.Tensor:
             softmax = (logits[rows].float() - logits_max[rows].unsqueeze(-1)).exp().div_(sum_exp[rows].unsqueeze(-1))
             # d loss / d logit = softmax - onehot(target), only on the rank that owns the target id.
             onehot = (~outside[rows]).to(softmax.dtype)
             softmax.scatter_add_(-1, local_target[rows].unsqueeze(-1), -onehot.unsqueeze(-1))
-            softmax.mul_(grad_loss[rows].unsqueeze(-1))
-            grad[rows] = softmax  # back to the logits' dtype one chunk at a time
+            return softmax.mul_(grad_loss[rows].unsqueeze(-1))
+
+        if len(chunks) == 1:  # small inputs: no separate gradient buffer (fp32 logits: the softmax is it)
+            return grad_rows(slice(None)).to(logits.dtype), None, None
+        grad = torch.empty_like(logits)
+        for i, n in chunks:
+            grad[i:i + n] = grad_rows(slice(i, i + n))  # back to the logits' dtype one chunk at a time
         return grad, None, None
 
 
