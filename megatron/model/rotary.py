@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=16)
 def rotary_cos_sin(seq_len: int, dim: int, base: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [s, 1, 1, dim], computed in fp32 then cast (cheap next to attention itself)."""
+    """cos, sin of shape [s, 1, 1, dim], computed in fp32 then cast.
+
+    Cached per (seq, dim, base, device, dtype): every layer of every step asks for the same table, and
+    rebuilding it cost ~10 small kernel launches per layer call (host gaps were 13% of the H100 step).
+    The cached tensors never require grad and are only read.
+    """
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [s, dim/2]

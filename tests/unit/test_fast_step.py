@@ -128,3 +128,13 @@ def test_compile_flag_reaches_the_layers_and_is_off_on_cpu(monkeypatch):
     assert compiled == []
     assert mc.compile_transformer_layers(model, True, device_type="cuda") == cfg.num_layers
     assert compiled == list(model.layers)
+
+
+def test_rotary_table_is_built_once_and_unchanged():
+    from megatron.model import rotary
+
+    cos, sin = rotary.rotary_cos_sin(12, 8, 10000.0, torch.device("cpu"), torch.float32)
+    again = rotary.rotary_cos_sin(12, 8, 10000.0, torch.device("cpu"), torch.float32)
+    assert again[0] is cos and again[1] is sin
+    fresh = rotary.rotary_cos_sin.__wrapped__(12, 8, 10000.0, torch.device("cpu"), torch.float32)
+    assert torch.equal(fresh[0], cos) and torch.equal(fresh[1], sin) and not cos.requires_grad
