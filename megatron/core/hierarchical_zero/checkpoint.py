@@ -1,0 +1,238 @@
+"""Checkpoints of the hierarchical ZeRO engine: every rank writes and reads only its own shard file.
+
+megatron/checkpointing/checkpoint.py owns the protocol (temporary tag, fsync, rename, ``latest`` last, retention,
+``megatron_meta.json``); this module fills the temporary directory and reads it back. Per rank, one file::
+
+    DIR/global_stepN/hzero_rank_00003.pt   fp32 master shard, AdamW state (exp_avg, exp_avg_sq, step), the 16-bit
+                                           secondary shards, the int8 error-feedback residual, LR position, RNG
+
+Files are written through safe_io's SafeCheckpointEngine (torch.save + fsync) and read with its weights_only
+loader, as DeepSpeed's files are. Nothing is gathered: the secondary shards are saved rather than re-gathered at
+load, so a resumed run starts from exactly the bytes the straight run holds (bit-exact resume, also in bf16).
+
+The metadata (``hierarchy`` in megatron_meta.json) records the layout the shards belong to: DP size, tiers with
+their sizes, weights tier, int8 block, padded bucket layout with parameter names. ``check_saved_layout`` compares
+it with a run's flags before any process group exists; ``merged_tp_states`` rebuilds unsharded weights and Adam
+moments from the files without a process group (tools/reshard_checkpoint.py, tools/convert_checkpoint_to_hf.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron.errors import CheckpointError, ConfigError
+
+FORMAT = "megatron-frontier/hierarchical-zero-v1"
+
+
+def shard_file(ckpt_dir: str, rank: int) -> str:
+    return os.path.join(ckpt_dir, f"hzero_rank_{rank:05d}.pt")
+
+
+def is_engine(engine) -> bool:
+    from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
+
+    return isinstance(engine, HierarchicalZeroEngine)
+
+
+def _primary_ranges(engine) -> list[tuple[int, int]]:
+    """(start, length) in the padded flat layout of each bucket's chunk that this rank's master shard holds."""
+    h = engine.h
+    count, idx = h.shard_count(h.levels), h.shard_index(h.levels)
+    return [(b.offset + idx * (b.padded // count), b.padded // count) for b in engine.buckets]
+
+
+def layout(engine, ranks_per_node: int | None) -> dict:
+    """What the shards' meaning depends on (identical on every rank); stored as megatron_meta.json's ``hierarchy``."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return {
+        "levels": list(engine.cfg.levels),
+        "level_sizes": {lv.name: lv.size for lv in engine.h.levels},
+        "weights": engine.cfg.weights, "int8": engine.cfg.int8, "block": engine.cfg.block,
+        "dp_size": engine.h.dp_size, "ranks_per_node": ranks_per_node, "padded": engine.padded,
+        "buckets": [{"offset": b.offset, "padded": b.padded,
+                     "params": [[names[id(p)], list(s)] for p, s in zip(b.params, b.shapes, strict=True)]}
+                    for b in engine.buckets],
+    }
+
+
+def shard_table_entry(engine) -> dict:
+    """This rank's place in the layout (gathered as plain data into the metadata, for offline merging)."""
+    h = engine.h
+    return {"tp_rank": engine.mpu.tp.rank, "dp_rank": engine.mpu.dp.rank,
+            "shard_index": h.shard_index(h.levels), "shard_count": h.shard_count(h.levels)}
+
+
+def save_shard(engine, tmp_dir: str, rank: int, rng: dict, save_optimizer: bool) -> None:
+    """Write this rank's file into the temporary checkpoint directory (fsynced before it returns)."""
+    os.makedirs(tmp_dir, exist_ok=True)
+    state = {
+        "master": engine.master.detach().clone(),
+        "secondary": [b.secondary for b in engine.buckets],
+        "residual": engine.residual,
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "optimizer": engine.optimizer.state_dict() if save_optimizer else None,
+        "steps": {"micro": engine.micro_steps, "global": engine.global_steps, "skipped": engine.skipped_steps},
+        "rng": rng,
+        **shard_table_entry(engine),
+    }
+    _ckpt_engine(engine).save(state, shard_file(tmp_dir, rank))
+
+
+def _ckpt_engine(engine):
+    """safe_io's engine (fsync on save, weights_only on load): the same code path as DeepSpeed's files."""
+    from megatron.checkpointing import safe_io
+
+    if not isinstance(getattr(engine, "checkpoint_engine", None), safe_io.SafeCheckpointEngine):
+        engine.checkpoint_engine = safe_io.SafeCheckpointEngine(None)
+        engine.checkpoint_engine.zipfile_serialization = True  # the format validate_files' mmap check reads
+    return engine.checkpoint_engine
+
+
+def check_engine_layout(engine, meta: dict, ranks_per_node: int | None, where: str) -> None:
+    """After the engine exists: the saved tier sizes and bucket layout must be this run's (the flags were checked
+    by ``check_saved_layout``; this catches a different ranks per node or model variant)."""
+    saved, now = meta["hierarchy"], layout(engine, ranks_per_node)
+    for key, what in (("level_sizes", "tier sizes"), ("padded", "padded parameter count"),
+                      ("buckets", "bucket layout")):
+        if saved[key] != now[key]:
+            raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {what} {_short(saved[key])}, "
+                              f"this run has {_short(now[key])}. {_RESHARD.format(where=where)}")
+
+
+def _short(x) -> str:
+    text = str(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_RESHARD = ("Launch the same layout, or convert: python tools/reshard_checkpoint.py --load {where} --save FULL, "
+            "then --load FULL (weights and Adam moments carry over)")
+
+
+def load_shard(engine, ckpt_dir: str, rank: int, load_optimizer: bool, load_scheduler: bool) -> dict:
+    """Restore this rank's state from its own file; returns the file's dict (its ``rng`` is applied later)."""
+    path = shard_file(ckpt_dir, rank)
+    state = _ckpt_engine(engine).load(path, map_location="cpu")
+    if state.get("shard_index") != shard_table_entry(engine)["shard_index"]:
+        raise CheckpointError(f"checkpoint file {path} holds shard {state.get('shard_index')}, this rank owns "
+                              f"{shard_table_entry(engine)['shard_index']}: the files were renamed or mixed")
+    with torch.no_grad():
+        engine.master.copy_(state["master"])
+        for b, sec in zip(engine.buckets, state["secondary"], strict=True):
+            b.secondary = sec.to(device=engine.master.device, dtype=engine.dtype).clone()
+        if engine.residual is not None:
+            if state["residual"] is None:
+                raise CheckpointError(f"checkpoint file {path} has no int8 error-feedback residual")
+            engine.residual.copy_(state["residual"])
+    if load_optimizer:
+        if state["optimizer"] is None:
+            raise CheckpointError(f"checkpoint file {path} was saved without optimizer (--no-save-optim); pass "
+                                  "--no-load-optim")
+        engine.optimizer.load_state_dict(state["optimizer"])
+    if load_scheduler:  # after the optimizer: its param_groups carry a saved lr, the schedule decides
+        engine.lr_scheduler.load_state_dict(state["scheduler"])
+        s = state["steps"]
+        engine.micro_steps, engine.global_steps, engine.skipped_steps = s["micro"], s["global"], s["skipped"]
+    return state
+
+
+def check_saved_layout(saved: dict, run, where: str) -> None:
+    """Before any process group: a hierarchical checkpoint loads only into the same hierarchical layout, and a
+    DeepSpeed checkpoint only into DeepSpeed (their shards mean different things). One line naming the fix."""
+    p = run.parallel
+    ours = saved.get("format") == FORMAT
+    if not ours and not p.zero_hierarchy:
+        return
+    if ours != bool(p.zero_hierarchy):
+        was = "hierarchical ZeRO (--zero-hierarchy)" if ours else "DeepSpeed"
+        now = "hierarchical ZeRO (--zero-hierarchy)" if p.zero_hierarchy else "DeepSpeed"
+        raise ConfigError(f"--load {where}: saved by the {was} engine, this run uses the {now} engine. "
+                          f"{_RESHARD.format(where=where)}")
+    h = saved["hierarchy"]
+    from megatron.core.hierarchical_zero.config import parse_levels
+
+    levels = list(parse_levels(p.zero_hierarchy))
+    diffs = []
+    if h["dp_size"] != p.dp:
+        diffs.append(f"data-parallel size {h['dp_size']} (now {p.dp})")
+    if h["levels"] != levels:
+        diffs.append(f"--zero-hierarchy {','.join(h['levels'])} (now {','.join(levels)})")
+    if p.zero_hierarchy_weights and h["weights"] != p.zero_hierarchy_weights:
+        diffs.append(f"--zero-hierarchy-weights {h['weights']} (now {p.zero_hierarchy_weights})")
+    if h["int8"] != p.zero_hierarchy_int8:
+        diffs.append(f"--zero-hierarchy-int8 {'on' if h['int8'] else 'off'} (now "
+                     f"{'on' if p.zero_hierarchy_int8 else 'off'})")
+    if diffs:
+        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}. "
+                          f"{_RESHARD.format(where=where)}")
+
+
+# ---------------------------------------------------------------------------------------------- offline merge
+def merged_tp_states(ckpt_dir: str, meta: dict, with_moments: bool = True) -> tuple[list[dict], list[dict], int]:
+    """Without a process group: (per TP rank {name: weight}, per TP rank {name: {"exp_avg", "exp_avg_sq"}} (empty
+    when the checkpoint has no optimizer or ``with_moments`` is false), Adam step). Names are the model's own
+    (GPTModel), tensors still TP-sharded and vocab-padded, as DeepSpeed's model files hold them."""
+    from megatron.checkpointing.safe_io import safe_load
+
+    h, table = meta["hierarchy"], meta["shards"]
+    tp = meta["run"]["parallel"]["tensor_model_parallel_size"]
+    dp = h["dp_size"]
+    flats = [{"master": torch.zeros(h["padded"])} for _ in range(tp)]
+    step, have_moments = 0, with_moments and meta.get("has_optimizer", True)
+    seen = [0] * tp
+    for rank_text, entry in table.items():
+        path = shard_file(ckpt_dir, int(rank_text))
+        state = safe_load(path)
+        t, idx = entry["tp_rank"], entry["shard_index"]
+        sources = {"master": state["master"]}
+        if have_moments:
+            opt = state["optimizer"]["state"].get(0)
+            if opt is None:  # saved before the first step: nothing to carry
+                have_moments = False
+            else:
+                sources.update(exp_avg=opt["exp_avg"], exp_avg_sq=opt["exp_avg_sq"])
+                step = int(opt["step"])
+        pos = 0
+        for b in h["buckets"]:
+            n = b["padded"] // dp
+            for key, src in sources.items():
+                dst = flats[t].setdefault(key, torch.zeros(h["padded"]))
+                dst[b["offset"] + idx * n:b["offset"] + (idx + 1) * n] = src[pos:pos + n]
+            pos += n
+        seen[t] += 1
+    if seen != [dp] * tp:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: expected {dp} shard files per TP rank, found {seen}")
+    weights, moments = [], []
+    for flat in flats:
+        w, m = {}, {}
+        for b in h["buckets"]:
+            off = b["offset"]
+            for name, shape in b["params"]:
+                n = int(torch.Size(shape).numel())
+                w[name] = flat["master"][off:off + n].view(shape).clone()
+                if have_moments:
+                    m[name] = {k: flat[k][off:off + n].view(shape).clone() for k in ("exp_avg", "exp_avg_sq")}
+                off += n
+        weights.append(w)
+        moments.append(m)
+    return weights, moments, step
+
+
+def set_full_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: int, shard) -> None:
+    """Fill this rank's AdamW state from full per-parameter moments (a resharded full state). ``shard(name, param,
+    full)`` returns this rank's piece of a full tensor shaped as ``param`` (TP slice, vocab padding)."""
+    flat = {k: torch.zeros(engine.padded) for k in ("exp_avg", "exp_avg_sq")}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for b in engine.buckets:
+        off = b.offset
+        for p, shape in zip(b.params, b.shapes, strict=True):
+            n = shape.numel()
+            for k in flat:
+                flat[k][off:off + n] = shard(names[id(p)], shape, moments[names[id(p)]][k]).reshape(-1)
+            off += n
+    ranges = _primary_ranges(engine)
+    engine.optimizer.state[engine.master] = {
+        "step": torch.tensor(float(step)),
+        **{k: torch.cat([v[s:s + n] for s, n in ranges]).clone() for k, v in flat.items()}}
