@@ -61,9 +61,10 @@ def attention_rows(dtype, causal: bool, cases, reps: int) -> list[dict]:
         v = torch.randn(b, hkv, s, d, device=dev, dtype=dtype, generator=g).requires_grad_()
         do = torch.randn(b, hq, s, d, device=dev, dtype=dtype, generator=g)
         fwd_flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+        takes = lambda n, q=q, k=k, v=v: attention._unsupported(n, q, k, v, 0.0) is None  # noqa: E731
         impls = {name: (lambda q, k, v, name=name: attention.dot_product_attention(q, k, v, causal=causal,
                                                                                      backend=name))
-                 for name in _backends("attention", lambda n: attention._unsupported(n, q, k, v, 0.0) is None)}
+                 for name in _backends("attention", takes)}
         for variant in SDPA_VARIANTS:
             impls[f"sdpa:{variant.split('_')[0].lower()}"] = _sdpa(variant, causal)
         ref = impls["torch"](q, k, v).detach()
@@ -72,7 +73,7 @@ def attention_rows(dtype, causal: bool, cases, reps: int) -> list[dict]:
             try:
                 with torch.no_grad():
                     diff = (fn(q, k, v).float() - ref.float()).abs().max().item()
-                fwd = gpu_env.time_ms(lambda fn=fn: fn(q, k, v), reps=reps)
+                fwd = gpu_env.time_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), reps=reps)
                 both = gpu_env.time_ms(_fwd_bwd(fn, (q, k, v), do), reps=reps)
             except RuntimeError as e:  # an SDPA sub-backend that cannot take these inputs
                 print(f"  {shape} {name}: skipped ({str(e).splitlines()[0][:100]})", file=sys.stderr)
@@ -117,7 +118,7 @@ def norm_rows(dtype, cases, reps: int) -> list[dict]:
                     return norms.layer_norm(x, w, bias, 1e-5, backend=name)
                 return norms.rms_norm(x, w, 1e-5, backend=name)
 
-            names = _backends("norm", lambda b: norms._why_not(b, x, w, bias) is None)
+            names = _backends("norm", lambda b, x=x, w=w, bias=bias: norms._why_not(b, x, w, bias) is None)
             ref = call("torch").detach()
             nbytes = 5 * n * h * x.element_size()
             for name in names:

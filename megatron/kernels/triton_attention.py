@@ -134,7 +134,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, 
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, sob, soh, sos, sdb, sdh, sds, heads_q, seqlen,
+def _bwd_delta_kernel(OUT, DO, DELTA, sob, soh, sos, sdb, sdh, sds, heads_q, seqlen,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O) in fp32, read straight from the (strided) inputs: no fp32 copies of O, dO.
     pid_m = tl.program_id(0)
@@ -145,7 +145,7 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, sos, sdb, sdh, sds, heads_q, seqle
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < seqlen
     mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=mask, other=0.0)
     tl.store(DELTA + bh * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=mask_m)
 

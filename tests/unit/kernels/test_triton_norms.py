@@ -84,7 +84,8 @@ def test_autograd_functions(tn):
         assert rel_err(a, r) <= 1e-5
 
 
-@pytest.mark.parametrize("shape,rms,bias", [((37, 100), False, True), ((5, 3, 129), True, False), ((1, 64), False, True)])
+@pytest.mark.parametrize("shape,rms,bias",
+                         [((37, 100), False, True), ((5, 3, 129), True, False), ((1, 64), False, True)])
 def test_wide_row_split_backward_matches_fused(tn, monkeypatch, shape, rms, bias):
     """The wide-row backward (dx kernel + column-tiled dgamma/dbeta pass) against the fused kernel and
     float64; SPLIT_BLOCK is lowered so small rows take the path 12288-wide rows take on a GPU."""
