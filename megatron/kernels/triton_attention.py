@@ -55,10 +55,11 @@ def _configs() -> list[triton.Config]:
         bm, bn = _blocks()
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=1, num_stages=1)]
     if _is_hip():
+        # Six, not the full product: every config is one more compile per kernel at the first call.
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "waves_per_eu": wpe, "matrix_instr_nonkdim": k},
-                              num_warps=w, num_stages=1)
-                for bm, bn, w in ((128, 64, 4), (64, 64, 4), (128, 32, 4), (64, 32, 4))
-                for wpe in (2, 3) for k in (16, 32)]
+                              num_warps=4, num_stages=1)
+                for bm, bn, wpe, k in ((128, 64, 2, 16), (128, 64, 3, 16), (128, 64, 2, 32), (64, 64, 2, 16),
+                                       (64, 64, 3, 32), (128, 32, 2, 16))]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, bn, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
                                   (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4))]
