@@ -2,7 +2,8 @@
 
 Three index arrays make a sample O(1) to fetch and the order reproducible from (seed, description) alone:
 doc_idx (documents, shuffled per epoch), sample_idx (where each sample starts in doc_idx, built in C++) and
-shuffle_idx (sample order). They are cached as .npy files keyed by the md5 of the dataset description.
+shuffle_idx (sample order). They are cached as .npy files keyed by the md5 of the dataset description, which
+includes a content fingerprint of the .bin/.idx pair (megatron/data/fingerprint.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron.data.fingerprint import content_fingerprint
 from megatron.data.helpers import build_sample_idx
 from megatron.data.indexed_dataset import IndexedDataset, index_file_path
 from megatron.errors import ConfigError, DataError
@@ -89,6 +91,7 @@ class GPTDataset:
             "format": 1,  # bump when the index layout or the build algorithm changes
             "prefix": os.path.abspath(indexed.prefix),
             "idx_bytes": os.path.getsize(index_file_path(indexed.prefix)),
+            "content": content_fingerprint(indexed.prefix),  # a rewrite of the same size must not reuse the cache
             "split": name,
             "documents": [doc_begin, doc_end],
             "num_samples": num_samples,
@@ -103,6 +106,7 @@ class GPTDataset:
         paths = {k: os.path.join(cache_dir, f"{self.hash}-{name}-{k}.npy") for k in _INDEX_NAMES}
 
         if build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()):
+            _note_changed_content(cache_dir, self.description, log)
             t0 = time.time()
             arrays = self._build(seed)
             _save_atomic(cache_dir, paths, arrays, text)
@@ -155,6 +159,33 @@ class GPTDataset:
             parts.append(self.indexed.get(int(self.doc_idx[last_doc]), 0, last_off + 1))
             tokens = np.concatenate(parts)
         return {"text": tokens.astype(np.int64)}
+
+
+_said_changed: set[str] = set()
+
+
+def _note_changed_content(cache_dir: str, description: dict, log: Callable[[str], None]) -> None:
+    """Before a rebuild: if this data set (same prefix, split, samples, seed) was cached with other content, say so
+    once per data set per process, and remember the content now being indexed."""
+    place = {k: v for k, v in description.items() if k != "content"}
+    marker = os.path.join(cache_dir, hashlib.md5(json.dumps(place, sort_keys=True).encode()).hexdigest()
+                          + "-content.json")
+    try:
+        with open(marker) as f:
+            before = json.load(f)
+    except (OSError, ValueError):
+        before = None
+    if before is not None and before != description["content"] and description["prefix"] not in _said_changed:
+        _said_changed.add(description["prefix"])
+        log(f"{description['prefix']}.bin/.idx changed since its cached indices were built (content fingerprint "
+            "differs): rebuilding them")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(f"{marker}.tmp{os.getpid()}", "w") as f:
+            json.dump(description["content"], f)
+        os.replace(f"{marker}.tmp{os.getpid()}", marker)
+    except OSError:
+        pass  # the marker only serves the message; _save_atomic reports an unwritable cache directory
 
 
 def _save_atomic(cache_dir: str, paths: dict[str, str], arrays: dict[str, np.ndarray], description: str) -> None:
