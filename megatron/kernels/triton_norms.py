@@ -38,8 +38,10 @@ def _configs() -> list[triton.Config]:
     """Autotune candidates: rows per tile x warps (pruned per row width by _prune).
 
     Under the interpreter: one config (16 rows, 1 warp), so nothing is benchmarked: every tile costs
-    Python time there, so many rows at once. On ROCm (MI250X, unmeasured) a warp is a 64-lane wavefront,
-    so the same count of warps holds twice the lanes; waves_per_eu 0 leaves occupancy to the compiler.
+    Python time there, so many rows at once. On ROCm (MI250X, unmeasured) the same candidates: a warp is
+    a 64-lane wavefront there, so the pruning's 32-lane count is conservative; no AMD-only knob, since
+    these kernels are bandwidth-bound and hold little state (waves_per_eu pays off for the register-heavy
+    attention tiles, triton_attention._configs).
     """
     if _interpreting():
         return [triton.Config({"ROWS": 16}, num_warps=1, num_stages=1)]
