@@ -38,6 +38,9 @@ Timer = Callable[[str, Callable[[], object]], float]
 """(backend name, thunk) -> the thunk's time in milliseconds, warm-up included. The name lets a test's
 fake timer charge each backend a known cost."""
 
+# The choice is logged at WARNING on purpose: pretrain_gpt.py configures no INFO handler, and a user must
+# see which kernel a run uses and why (once per key and rank).
+CHOICE_LEVEL = logging.WARNING
 _choices: dict[str, str] = {}
 _timer: Timer | None = None
 CACHE_FILE = "kernel_choices.json"
@@ -202,7 +205,7 @@ def _measure(key: str, make_candidates: Callable[[], dict[str, Callable[[], obje
     section = _versions(device)
     hit = _cached(key, section, set(candidates))
     if hit is not None:
-        log.info("kernel %s: %r from the cache (%s)", key, hit, _cache_path())
+        log.log(CHOICE_LEVEL, "kernel %s: %r from the cache (%s)", key, hit, _cache_path())
         _choices[key] = hit
         return hit
     timer = _timer or AcceleratorTimer()
@@ -210,6 +213,7 @@ def _measure(key: str, make_candidates: Callable[[], dict[str, Callable[[], obje
     # Ties go to torch: a kernel of ours must be strictly faster to earn its place.
     best = min(times, key=lambda n: (times[n], n != "torch"))
     _choices[key] = best
-    log.info("kernel %s: using %r (%s)", key, best, ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()))
+    log.log(CHOICE_LEVEL, "kernel %s: using %r (%s)", key, best,
+            ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()))
     _store(key, section, best, times)
     return best
