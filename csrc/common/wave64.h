@@ -8,6 +8,8 @@
 //    names the kernels use to CUDA, and emulates a 64-lane wavefront with the two 32-lane warps of
 //    threads [64w, 64w + 64) of the block. Lane ownership, tiles, LDS layout and masking then run
 //    exactly as written for gfx90a; only the helpers here differ per platform.
+//  * with a host C++ compiler and -DMF_GPU_EMULATE (tests only): cpu_emulation.h runs every GPU thread
+//    as a fiber on the CPU and checks the synchronisation contracts below.
 // Debian's HIP-for-NVIDIA headers (ROCm 5.2) are not used: they do not compile under CUDA 13.
 //
 // Contract of the wave-level helpers (wave_shfl_xor, wave_sum, wave_max), on both platforms:
@@ -24,15 +26,24 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__NVCC__) || (defined(__CUDACC__) && !defined(__HIP__))
+#if defined(MF_GPU_EMULATE)  // tests only: a host compiler runs the kernels on the CPU (cpu_emulation.h)
+#define MF_GPU_CUDA 0
+#define MF_GPU_EMU 1
+#elif defined(__NVCC__) || (defined(__CUDACC__) && !defined(__HIP__))
 #define MF_GPU_CUDA 1
+#define MF_GPU_EMU 0
 #elif defined(__HIP__) || defined(__HIPCC__)
 #define MF_GPU_CUDA 0
+#define MF_GPU_EMU 0
 #else
 #error "csrc/common/wave64.h: compile the kernels with hipcc (AMD) or nvcc (NVIDIA)"
 #endif
 
-#if MF_GPU_CUDA
+#if MF_GPU_EMU
+
+#include "cpu_emulation.h"
+
+#elif MF_GPU_CUDA
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -109,6 +120,8 @@ __device__ __forceinline__ float wave_shfl_xor(float v, int lane_mask) {
   const float other = exchange[wave][lane ^ static_cast<unsigned>(lane_mask)];
   wave_barrier(wave);
   return other;
+#elif MF_GPU_EMU
+  return mf_emu::wave_shfl_xor(v, lane_mask);
 #else
   return __shfl_xor(v, lane_mask, kWaveSize);
 #endif
