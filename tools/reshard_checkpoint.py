@@ -1,6 +1,8 @@
 """Convert a checkpoint saved at one TP/PP/ZeRO layout into a full-state directory that ``--load`` reads at
-any other layout. Carried over: weights, iteration, consumed samples, LR schedule position. Restarted:
-optimizer moments and RNG states (they are partitioned by layout). See megatron/checkpointing/README_SECTION.md.
+any other layout. Carried over: weights, Adam moments (exp_avg, exp_avg_sq, step; from hierarchical ZeRO,
+ZeRO-1/2 and non-pipeline ZeRO-0 checkpoints), iteration, consumed samples, LR schedule position. Restarted: RNG
+states (they are partitioned by layout), and the moments of ZeRO-3 / pipeline ZeRO-0 checkpoints (said when so).
+See README.md#checkpoints-resume-conversion-and-faults.
 
     python tools/reshard_checkpoint.py --load CHECKPOINTS [--tag global_step100] --save FULL_STATE_DIR
 """
@@ -15,7 +17,7 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing.convert import read_any, write_full_state
+    from megatron.checkpointing.convert import read_any, read_moments, write_full_state
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True)
@@ -23,7 +25,10 @@ def main(argv=None) -> int:
     p.add_argument("--save", required=True, help="output full-state directory")
     args = p.parse_args(argv)
     full, model, progress = read_any(args.load, args.tag)
-    write_full_state(args.save, full, model, progress, args.load)
+    moments, step, why = read_moments(args.load, args.tag)
+    write_full_state(args.save, full, model, progress, args.load, moments, step)
+    print(f"> Adam moments (step {step}) carried over" if moments else f"> Adam moments not carried ({why}): "
+          "they restart when this full state is loaded")
     print(f"> wrote full state of iteration {progress['iteration']} to {args.save}: pass --load {args.save} "
           "at any layout")
     return 0

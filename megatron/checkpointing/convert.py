@@ -33,9 +33,25 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
     return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
 
 
-def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str) -> None:
-    save_full_state(out_dir, full, {"model": model, "source": source, **progress,
-                                    "format": "megatron-frontier/full-state-v1"})
+def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str,
+                     moments: dict | None = None, optimizer_step: int = 0) -> None:
+    extra = {"optimizer_step": optimizer_step} if moments else {}
+    save_full_state(out_dir, full, {"model": model, "source": source, **progress, **extra,
+                                    "format": "megatron-frontier/full-state-v1"}, moments)
+
+
+def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, str]:
+    """(full Adam moments by name, step, why not when None) of the same inputs as ``read_any``."""
+    from megatron.checkpointing.full_state import read_full_moments
+    from megatron.checkpointing.moments import merge_moments
+
+    if is_full_state(path):
+        got = read_full_moments(path)
+        return (got[0], got[1], "") if got else (None, 0, "the full state carries no optimizer moments")
+    if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
+        tag = read_latest(path)
+    ckpt_dir = os.path.join(path, tag) if tag else path
+    return merge_moments(ckpt_dir, read_meta(ckpt_dir))
 
 
 def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict) -> dict:

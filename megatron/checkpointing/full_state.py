@@ -27,6 +27,7 @@ from megatron.errors import CheckpointError
 
 FULL_STATE_META = "full_state.json"
 FULL_STATE_WEIGHTS = "model.safetensors"
+FULL_STATE_OPTIMIZER = "optimizer.safetensors"
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.linear.weight")
 
 
@@ -62,6 +63,12 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
 
 def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
+    from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
+
+    if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
+        nl = meta["run"]["model"]["num_layers"]
+        return [{canonical_name(k, nl): v for k, v in w.items()}
+                for w in hzero_ckpt.merged_tp_states(ckpt_dir, meta, with_moments=False)[0]]
     p = meta["run"]["parallel"]
     tp, pp, zero = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["zero_stage"]
     nl = meta["run"]["model"]["num_layers"]
@@ -130,7 +137,6 @@ def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_
                     tp_rank: int, source: str) -> None:
     """Copy this rank's shard of every full tensor into ``module`` (GPTModel or a GPTModelPipe stage),
     padding the vocabulary rows with zeros to the module's padded size. Call before deepspeed.initialize."""
-    from megatron.core.tensor_parallel.layers import shard_tensor
 
     with torch.no_grad():
         for n, p in module.named_parameters():
@@ -139,26 +145,43 @@ def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_
                 continue
             if name not in full:
                 raise CheckpointError(f"{source} has no tensor {name}: it was saved from a different model variant")
-            t = full[name]
-            sharded = getattr(p, "tensor_model_parallel", False)
-            dim = int(p.partition_dim) if sharded else 0
-            if name in VOCAB_PARAMS:
-                rows = p.shape[0] * (tp_size if sharded else 1)
-                t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
-            if sharded:
-                t = shard_tensor(t, dim, tp_size, tp_rank, int(getattr(p, "partition_stride", 1)))
-            if tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)} for this rank, the model expects "
-                                      f"{tuple(p.shape)}")
-            p.copy_(t.to(p.dtype))
+            p.copy_(shard_like(name, full[name], p, p.shape, tp_size, tp_rank, source).to(p.dtype))
 
 
-def save_full_state(out_dir: str, full: dict[str, torch.Tensor], meta: dict) -> None:
-    """Write a full-state directory: safetensors weights, then the JSON that marks it complete."""
+def shard_like(name: str, t: torch.Tensor, p: torch.nn.Parameter, shape, tp_size: int, tp_rank: int,
+               source: str) -> torch.Tensor:
+    """This rank's piece of the full tensor ``t`` for parameter ``p`` of ``shape`` (given apart from ``p``: a
+    ZeRO engine may have freed its data): the TP slice, vocabulary rows zero-padded to the padded size."""
+    from megatron.core.tensor_parallel.layers import shard_tensor
+
+    sharded = getattr(p, "tensor_model_parallel", False)
+    dim = int(p.partition_dim) if sharded else 0
+    if name in VOCAB_PARAMS:
+        rows = shape[0] * (tp_size if sharded else 1)
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+    if sharded:
+        t = shard_tensor(t, dim, tp_size, tp_rank, int(getattr(p, "partition_stride", 1)))
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)} for this rank, the model expects "
+                              f"{tuple(shape)}")
+    return t
+
+
+def save_full_state(out_dir: str, full: dict[str, torch.Tensor], meta: dict,
+                    moments: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Write a full-state directory: safetensors weights (and Adam moments, ``optimizer.safetensors`` with keys
+    ``exp_avg/NAME``, ``exp_avg_sq/NAME``; the step is ``optimizer_step`` in the JSON), then the JSON that marks
+    it complete."""
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, FULL_STATE_WEIGHTS)
     save_file({k: v.contiguous() for k, v in full.items()}, weights)
     fsync_file(weights)
+    optim = os.path.join(out_dir, FULL_STATE_OPTIMIZER)
+    if moments:
+        save_file({f"{k}/{name}": v.float().contiguous() for name, m in moments.items() for k, v in m.items()}, optim)
+        fsync_file(optim)
+    elif os.path.exists(optim):  # a stale file from an earlier conversion into the same directory
+        os.remove(optim)
     atomic_write_text(os.path.join(out_dir, FULL_STATE_META), json.dumps(meta, indent=1, sort_keys=True))
 
 
@@ -179,3 +202,29 @@ def read_full_state(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         return load_file(weights), meta
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {weights} is corrupt or truncated ({str(e).splitlines()[0]})") from None
+
+
+def read_full_moments(path: str) -> tuple[dict[str, dict[str, torch.Tensor]], int] | None:
+    """(moments by name, Adam step) of a full-state directory, or None when it carries none."""
+    optim = os.path.join(path, FULL_STATE_OPTIMIZER)
+    if not os.path.isfile(optim):
+        return None
+    _, meta = read_full_state_meta(path)
+    try:
+        flat = load_file(optim)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {optim} is corrupt or truncated ({str(e).splitlines()[0]})") from None
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in flat.items():
+        kind, name = key.split("/", 1)
+        out.setdefault(name, {})[kind] = v
+    return out, int(meta.get("optimizer_step", 0))
+
+
+def read_full_state_meta(path: str) -> tuple[str, dict]:
+    meta_path = os.path.join(path, FULL_STATE_META)
+    try:
+        with open(meta_path) as f:
+            return meta_path, json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {meta_path} is unreadable ({e})") from None
