@@ -5,7 +5,10 @@ torch, Triton, HIP when built) plus torch SDPA's own sub-backends, forward and f
 
 Backends come from ``select.PREFERENCE`` filtered by ``select.available`` and each kernel's own
 unsupported-input check, so a backend added to the registry (e.g. the csrc HIP kernels) shows up here
-without edits. Reports median ms (accelerator events), TFLOP/s for attention (FlashAttention-2's
+without edits. The ``hip`` rows need the csrc extension built (ROCm or CUDA torch); on NVIDIA they run the
+gfx90a kernels with 64-lane waves emulated by two warps (csrc/common/wave64.h): a sanity figure that the
+code ran and matched torch, not a prediction of MI250X speed.
+Reports median ms (accelerator events), TFLOP/s for attention (FlashAttention-2's
 convention: forward 4 b h s^2 d, halved when causal; forward + backward = 3.5x forward), GB/s for the
 norms (forward reads x and writes y; backward reads x and dy and writes dx: 5 x rows x hidden x bytes),
 each backend's ratio to torch, the largest difference from torch's output, and the backend ``auto``
