@@ -1,6 +1,6 @@
 """Exact resume through pretrain_gpt.py's providers on fresh processes (2N straight == N, save, resume N),
 plus what the saved checkpoints must also serve: DeepSpeed's zero_to_fp32, HF export from a TP=2 x PP=2
-run, and loading a TP=2 x PP=2 checkpoint at TP=1 x PP=1 (full-state resharding)."""
+run, and loading a TP=2 x PP=2 checkpoint at TP=1 x PP=1 (full-state resharding, Adam moments included)."""
 
 import os
 
@@ -93,7 +93,12 @@ def test_pp2_tp2_llama_resume_export_and_reshard(tmp_path):
     hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     assert abs(hf_loss.item() - straight[3]) < 1e-5, (hf_loss.item(), straight[3])
 
-    # Resharding: the TP=2 x PP=2 checkpoint, as a full state, resumes at TP=1 x PP=1 with the same loss.
+    # Resharding: the TP=2 x PP=2 checkpoint, as a full state with its Adam moments, resumes at TP=1 x PP=1 with the
+    # unresharded resume's losses: iteration 3 checks the weights, iteration 4 the moments' update.
     assert reshard(["--load", save, "--tag", "global_step2", "--save", str(tmp_path / "full")]) == 0
-    single = pretrain_on(1, args + ["--load", str(tmp_path / "full"), "--train-iters", "3"])["losses"]
-    assert list(single) == [3] and abs(single[3] - straight[3]) < 1e-5, (single, straight)
+    single = pretrain_on(1, args + ["--load", str(tmp_path / "full")])["losses"]
+    assert list(single) == [3, 4], single
+    assert all(abs(single[i] - resumed[i]) < 1e-5 for i in (3, 4)), (single, resumed)
+    # The same resume with the moments restarted (--no-load-optim) misses iteration 4: the check can fail.
+    fresh = pretrain_on(1, args + ["--load", str(tmp_path / "full"), "--no-load-optim"])["losses"]
+    assert abs(fresh[3] - resumed[3]) < 1e-5 and abs(fresh[4] - resumed[4]) > 1e-4, (fresh, resumed)
