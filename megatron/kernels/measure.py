@@ -205,15 +205,40 @@ def _measure(key: str, make_candidates: Callable[[], dict[str, Callable[[], obje
     section = _versions(device)
     hit = _cached(key, section, set(candidates))
     if hit is not None:
+        hit = _agree_in_tp_group(hit, candidates)
         log.log(CHOICE_LEVEL, "kernel %s: %r from the cache (%s)", key, hit, _cache_path())
         _choices[key] = hit
         return hit
     timer = _timer or AcceleratorTimer()
     times = {name: float(timer(name, thunk)) for name, thunk in candidates.items()}
     # Ties go to torch: a kernel of ours must be strictly faster to earn its place.
-    best = min(times, key=lambda n: (times[n], n != "torch"))
+    best = _agree_in_tp_group(min(times, key=lambda n: (times[n], n != "torch")), candidates)
     _choices[key] = best
     log.log(CHOICE_LEVEL, "kernel %s: using %r (%s)", key, best,
             ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()))
     _store(key, section, best, times)
     return best
+
+
+def _agree_in_tp_group(best: str, candidates: dict) -> str:
+    """The tensor-parallel group's first rank decides for the whole group.
+
+    Why: TP ranks compute replicated tensors (the norms, and attention under TP=1 heads) that Megatron assumes
+    bit-identical across the group; replicated weights (norm gamma/beta, row-parallel biases) get no TP
+    all-reduce. Per-rank timings are noisy, and a cache file can be hit by one rank and missed by another, so
+    two TP ranks could pick different kernels and let those weights drift apart. Every TP rank reaches this
+    point for the same key in the same order (same layers, same shapes), so the broadcast cannot deadlock.
+    Its tensor lives on ``comm.collective_device`` (NCCL/RCCL take device tensors only)."""
+    from megatron.core import comm
+    from megatron.core.parallel_state import get_parallel_state
+
+    try:
+        tp = get_parallel_state().tp
+    except RuntimeError:  # no parallel state: a single process (tests, benchmarks)
+        return best
+    if tp.size <= 1 or tp.group is None:
+        return best
+    order = sorted(candidates)  # the same on every rank: the same build offers the same backends
+    t = torch.tensor([order.index(best)], dtype=torch.int64).to(comm.collective_device(tp.group))
+    comm.broadcast(t, src=tp.ranks[0], group=tp.group)
+    return order[int(t.item())]
