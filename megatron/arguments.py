@@ -140,6 +140,8 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="ZeRO-0/1/2: save weights without optimizer state")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: a directory without a checkpoint is an error instead of a fresh start")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only; iteration, optimizer, LR schedule and RNG start fresh")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,

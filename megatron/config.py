@@ -205,6 +205,22 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
 
+    def validate(self) -> None:
+        """Refuse what torch's AdamW would only refuse after the model is built (a traceback, then)."""
+        bad = []
+        for flag, value, ok, want in (
+                ("--lr", self.lr, self.lr >= 0, ">= 0"), ("--min-lr", self.min_lr, self.min_lr >= 0, ">= 0"),
+                ("--adam-beta1", self.adam_beta1, 0 <= self.adam_beta1 < 1, "in [0, 1)"),
+                ("--adam-beta2", self.adam_beta2, 0 <= self.adam_beta2 < 1, "in [0, 1)"),
+                ("--adam-eps", self.adam_eps, self.adam_eps > 0, "> 0"),
+                ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                ("--clip-grad", self.clip_grad, self.clip_grad >= 0, ">= 0 (0 disables clipping)")):
+            if not ok or value != value:  # value != value: NaN passes every comparison above
+                bad.append(f"{flag} {value:g} must be {want}")
+        if bad:
+            raise ConfigError(f"{'; '.join(bad)}: fix the optimizer flags (e.g. --lr 3e-4 --adam-beta2 0.95 "
+                              "--adam-eps 1e-8 --weight-decay 0.1)")
+
 
 @dataclass
 class PrecisionConfig:
@@ -241,6 +257,11 @@ class TrainingConfig:
         return self.global_batch_size // (self.micro_batch_size * dp)
 
     def validate(self, dp: int) -> None:
+        for flag, value in (("--micro-batch-size", self.micro_batch_size), ("--global-batch-size",
+                            self.global_batch_size), ("--log-interval", self.log_interval),
+                            ("--eval-interval", self.eval_interval)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} {value} must be >= 1")
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size * dp
         if self.global_batch_size % (self.micro_batch_size * dp):
@@ -265,5 +286,6 @@ class RunConfig:
         self.parallel.validate()
         self.model.validate(self.parallel.tp)
         self.precision.validate()
+        self.optimizer.validate()
         self.training.validate(self.parallel.dp)
         return self

@@ -54,13 +54,15 @@ class CheckpointSettings:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    exit_on_missing: bool = False
+    """--exit-on-missing-checkpoint: a --load without a checkpoint is an error, not a fresh start."""
     keep_last: int | None = None
     """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
         s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
-                args.finetune, args.keep_last_n_checkpoints)
+                args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints)
         if s.keep_last is not None and s.keep_last < 1:
             raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
         if s.save_interval is not None and s.save_interval < 1:
@@ -179,7 +181,8 @@ def read_meta(ckpt_dir: str) -> dict:
         raise CheckpointError(f"checkpoint directory {ckpt_dir} is missing (named by 'latest'); point 'latest' at "
                               "an existing checkpoint")
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: not a complete Megatron-Frontier checkpoint")
+        raise CheckpointError(f"checkpoint file {path} is missing: not a complete Megatron-Frontier checkpoint; "
+                              f"point {os.path.join(os.path.dirname(ckpt_dir), LATEST)} at a complete one")
     try:
         with open(path) as f:
             return json.load(f)
@@ -232,6 +235,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     if full is not None:
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict({"num_steps": full.lr_num_steps})
+            apply_schedule_lr(engine)
         _say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
              f"{full.consumed_samples} (optimizer and RNG start fresh)")
         return full
@@ -240,9 +244,8 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     if not os.path.isdir(settings.load):
         raise CheckpointError(f"--load {settings.load}: directory not found; create it or drop --load")
     tag = read_latest(settings.load)
-    if tag is None:
-        if _rank0():
-            print(f"> no checkpoint in {settings.load} (no '{LATEST}' file): starting from scratch", flush=True)
+    if tag is None:  # preflight has warned (or refused, with --exit-on-missing-checkpoint)
+        _say(f"> no checkpoint in {settings.load} (no '{LATEST}' file): starting from scratch")
         return Resume()
     ckpt_dir = os.path.join(settings.load, tag)
     meta = read_meta(ckpt_dir)
@@ -255,6 +258,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
                                           load_module_only=settings.finetune)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}; check that its files are complete")
+    apply_schedule_lr(engine)
     if settings.finetune:
         _say(f"> loaded weights from {ckpt_dir} (--finetune: iteration, optimizer and RNG start fresh)")
         return Resume(0, 0, ckpt_dir)
@@ -267,6 +271,26 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     _say(f"> loaded {ckpt_dir}: iteration {client['iteration']}, consumed samples {client['consumed_samples']}"
          f"{'' if load_optim else ' (optimizer not loaded)'}")
     return Resume(int(client["iteration"]), int(client["consumed_samples"]), ckpt_dir, rng=rng)
+
+
+def apply_schedule_lr(engine) -> None:
+    """The first resumed update uses the current schedule's lr (e.g. after a longer --train-iters).
+
+    Every engine's resume ends here (DeepSpeed ZeRO-0..3, pipeline, hierarchical ZeRO): DeepSpeed restores
+    the ZeRO optimizer partitions, param_groups' lr included, *after* the LR scheduler, so without this the
+    first step ran at the lr the old schedule gave the saved step's successor."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "apply_schedule"):
+        scheduler.apply_schedule()
+
+
+def missing_checkpoint_message(load: str, exit_on_missing: bool) -> str:
+    where = os.path.join(load, LATEST)
+    if exit_on_missing:
+        return (f"--load {load} holds no checkpoint ({where} not found) and --exit-on-missing-checkpoint is set: "
+                "point --load at a --save directory with a 'latest' file, or drop the flag to start from scratch")
+    return (f"--load {load} holds no checkpoint ({where} not found): training starts from scratch "
+            "(pass --exit-on-missing-checkpoint to make this an error)")
 
 
 def _say(msg: str) -> None:

@@ -21,10 +21,13 @@ SHAPE_FIELDS = {
     "num_attention_heads": "--num-attention-heads", "num_key_value_heads": "--num-key-value-heads",
     "max_position_embeddings": "--max-position-embeddings", "vocab_size": "--vocab-size/tokenizer",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by", "normalization": "--normalization",
-    "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
+    "swiglu": "--swiglu", "openai_gelu": "--openai-gelu", "position_embedding_type": "--position-embedding-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "add_bias_linear": "--disable-bias-linear",
 }
+
+# A real heading of README.md (tests/unit/test_preflight.py checks that the anchor exists).
+RESHARD_DOC = "README.md#checkpoints-resume-conversion-and-faults"
 
 
 def rng_state() -> dict:
@@ -68,12 +71,14 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
     (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata."""
     check_model_shape(saved["run"]["model"], run, where)
     p = saved["run"]["parallel"]
-    for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                      ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
-        if p[key] != getattr(run.parallel, key):
-            raise ConfigError(f"--load {where}: saved with {flag} {p[key]}, now {getattr(run.parallel, key)}. "
-                              "Keep the layout, or convert it first: python tools/reshard_checkpoint.py "
-                              f"--load {where} --save NEW_DIR (see megatron/checkpointing/README_SECTION.md)")
+    changed = [f"{flag} {p[key]}, now {getattr(run.parallel, key)}"
+               for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"))
+               if p[key] != getattr(run.parallel, key)]
+    if changed:  # every changed flag is named: fixing one at a time would cost a launch each
+        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or convert it "
+                          f"first: python tools/reshard_checkpoint.py --load {where} --save NEW_DIR and --load "
+                          f"NEW_DIR (see {RESHARD_DOC})")
     if not load_optim:
         return
     saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])

@@ -47,6 +47,15 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
     return [w / total for w in weights], prefixes
 
 
+def check_train_split(split: str, ds: IndexedDataset, begin: int, end: int) -> None:
+    """The train split must hold documents (valid/test may be empty)."""
+    if end <= begin:
+        raise ConfigError(
+            f"--split {split} leaves the train split of {ds.prefix} with no documents (it has "
+            f"{ds.num_documents}); give train a larger share, e.g. --split 969,30,1"
+        )
+
+
 def build_train_valid_test_datasets(
     data_path: list[str],
     split: str,
@@ -87,10 +96,7 @@ def build_train_valid_test_datasets(
             begin, end = bounds[s], bounds[s + 1]
             if end <= begin:
                 if name == "train":
-                    raise ConfigError(
-                        f"--split {split} leaves the train split of {ds.prefix} with no documents (it has "
-                        f"{ds.num_documents}); give train a larger share, e.g. --split 969,30,1"
-                    )
+                    check_train_split(split, ds, begin, end)
                 log(f"warning: --split {split} gives {name} no documents of {ds.prefix}; it is left out of {name}")
                 continue
             n = wanted if len(prefixes) == 1 else math.ceil(wanted * weight * _BLEND_MARGIN)

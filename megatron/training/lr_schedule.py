@@ -50,6 +50,11 @@ class OptimizerParamScheduler:
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    def apply_schedule(self) -> None:
+        """Write the schedule's lr for the next update into the optimizer, over whatever a restored
+        optimizer state put there (the lr of the schedule it was saved under)."""
+        self._apply(self.get_lr(self.num_steps + 1))
+
     def step(self, increment: int = 1) -> None:
         self.num_steps += increment
         self._apply(self.get_lr(self.num_steps + 1))

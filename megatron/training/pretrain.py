@@ -22,6 +22,7 @@ from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
+from megatron.preflight import preflight
 from megatron.training.batches import microbatches
 from megatron.training.control import RunControl
 from megatron.training.log import TrainingLogger, print_rank0
@@ -88,6 +89,8 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
 
     # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
     ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
+    ckpt = CheckpointSettings.from_args(args)
+    preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank
@@ -104,7 +107,6 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
-        ckpt = CheckpointSettings.from_args(args)
         full = load_full_state(model, run, pstate, ckpt)  # a full-state --load goes in before ZeRO partitions
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
@@ -147,7 +149,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
-    losses, it, decision = {}, resume.iteration, None
+    losses, lrs, it, decision = {}, {}, resume.iteration, None
     resume.restore_rng()
     for it in range(resume.iteration + 1, t.train_iters + 1):
         res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
@@ -163,6 +165,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
         logger.iteration(it, loss, res, consumed)
+        lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
         if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
             valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
             if pipelined:
@@ -183,5 +186,5 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
-    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses,
+    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
             "exit_reason": decision.reason if decision and decision.exit else None}

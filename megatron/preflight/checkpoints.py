@@ -1,0 +1,68 @@
+"""Pre-flight checks of --save (creatable and writable) and --load (a checkpoint that fits the flags)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from megatron.config import RunConfig
+from megatron.errors import CheckpointError, ConfigError, warn_once
+
+
+def check_save(save: str | None) -> None:
+    """Create ``--save`` and write and remove a probe file in it, so an unusable directory fails now
+    rather than at the first checkpoint, after the iterations before it are lost."""
+    if not save:
+        return
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save {save} is a file, not a directory: choose a directory for the checkpoints")
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--save {save} cannot be created ({e.strerror}: {e.filename}): choose a directory "
+                          "whose parents exist as directories and that you may write") from None
+    # One probe per process: every rank writes checkpoint files, and ranks must not race on one name.
+    probe = os.path.join(save, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("probe\n")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--save {save} is not writable ({e.strerror}): choose a directory you may write "
+                          "(on Frontier a project directory on Lustre, not $HOME)") from None
+
+
+def check_load(settings, run: RunConfig) -> None:
+    """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
+    precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
+    from megatron.checkpointing.checkpoint import missing_checkpoint_message, read_latest, read_meta
+    from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
+    from megatron.checkpointing.state import check_model_shape, check_resume
+
+    load = settings.load
+    if not load:
+        return
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load {load}: directory not found; fix the path, or drop --load to start from "
+                              "scratch")
+    if is_full_state(load):
+        path = os.path.join(load, FULL_STATE_META)
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
+                                  "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
+        check_model_shape(meta.get("model", {}), run, load)
+        return
+    tag = read_latest(load)
+    if tag is None:
+        if settings.exit_on_missing:
+            raise CheckpointError(missing_checkpoint_message(load, True))
+        warn_once(missing_checkpoint_message(load, False))  # a mistyped --load must not pass unnoticed
+        return
+    ckpt_dir = os.path.join(load, tag)
+    meta = read_meta(ckpt_dir)
+    load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
+    check_resume(meta, run, load_optim, ckpt_dir)

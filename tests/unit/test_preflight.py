@@ -1,0 +1,130 @@
+"""Errors knowable from flags and files come before any process group (issue 13, item 2): --load
+metadata, --save, optimizer hyper-parameters, batch sizes, --exit-on-missing-checkpoint; README anchors
+named by messages exist; a validation error is printed once per job but every rank exits 2."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.arguments import parse_args, run_config_from_args
+from megatron.checkpointing.state import RESHARD_DOC, plain_run
+from megatron.errors import ConfigError, launcher_rank
+from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group, with_flag
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _fake_checkpoint(root, argv: list[str], world: int, tag: str = "global_step2", meta: bool = True) -> str:
+    """A --save directory whose 'latest' names ``tag``, with the megatron_meta.json a run of ``argv`` on
+    ``world`` ranks writes (weights are not needed: the checks read metadata only)."""
+    run = run_config_from_args(parse_args(argv), world, 128)
+    os.makedirs(root / tag, exist_ok=True)
+    (root / "latest").write_text(tag)
+    if meta:
+        (root / tag / "megatron_meta.json").write_text(json.dumps({"iteration": 2, "run": plain_run(run),
+                                                                   "has_optimizer": True, "tag": tag}))
+    return str(root)
+
+
+def test_load_at_another_tp_and_pp_names_both_and_a_real_anchor(tmp_path, monkeypatch, capsys):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    ckpt = _fake_checkpoint(tmp_path, BASE + layout, 4)
+    rc, err, out = run_until_process_group(BASE + ["--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "--tensor-model-parallel-size 2, now 1",
+                          "--pipeline-model-parallel-size 2, now 1", "tools/reshard_checkpoint.py", RESHARD_DOC)
+    path, anchor = RESHARD_DOC.split("#")
+    with open(os.path.join(REPO, path)) as f:  # GitHub's anchor of a heading: lower case, spaces to dashes
+        anchors = {re.sub(r"[^\w\- ]", "", line[2:].strip().lower()).replace(" ", "-")
+                   for line in f if line.startswith("#")}
+    assert anchor in anchors, sorted(anchors)
+
+
+def test_load_shape_mismatch(tmp_path, monkeypatch, capsys):
+    ckpt = _fake_checkpoint(tmp_path, with_flag(BASE, "--hidden-size", "128"), 1)
+    rc, err, out = run_until_process_group(BASE + ["--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "--hidden-size (128 in the checkpoint, 64 now)")
+
+
+def test_load_markers(tmp_path, monkeypatch, capsys):
+    # A checkpoint without megatron_meta.json.
+    ckpt = _fake_checkpoint(tmp_path / "a", BASE, 1, meta=False)
+    rc, err, out = run_until_process_group(BASE + ["--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, os.path.join(ckpt, "global_step2", "megatron_meta.json"), "is missing")
+    # 'latest' naming a deleted tag.
+    ckpt = _fake_checkpoint(tmp_path / "b", BASE, 1)
+    (tmp_path / "b" / "latest").write_text("global_step9")
+    rc, err, out = run_until_process_group(BASE + ["--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, os.path.join(ckpt, "global_step9"), "point 'latest' at an existing")
+
+
+def test_exit_on_missing_checkpoint(tmp_path, monkeypatch, capsys):
+    argv = BASE + ["--load", str(tmp_path)]
+    rc, err, out = run_until_process_group(argv + ["--exit-on-missing-checkpoint"], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"--load {tmp_path}", os.path.join(str(tmp_path), "latest"))
+    # Without the flag: today's fresh start, with a warning naming the path (printed by rank 0 only).
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys)
+    assert rc is None and err == ""
+    assert [line for line in out.splitlines() if "WARNING" in line] == [
+        f"> WARNING: --load {tmp_path} holds no checkpoint ({tmp_path}/latest not found): training starts from "
+        "scratch (pass --exit-on-missing-checkpoint to make this an error)"]
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys, world_size=2, rank=1)
+    assert rc is None and "WARNING" not in out
+
+
+def test_save_is_probed(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    rc, err, out = run_until_process_group(BASE + ["--save", str(tmp_path / "file" / "ckpt")], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"--save {tmp_path / 'file' / 'ckpt'} cannot be created", "Not a directory")
+    rc, err, out = run_until_process_group(BASE + ["--save", str(tmp_path / "file")], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"--save {tmp_path / 'file'} is a file, not a directory")
+    # A good --save is created and its probe file removed.
+    rc, err, out = run_until_process_group(BASE + ["--save", str(tmp_path / "new" / "ckpt")], monkeypatch, capsys)
+    assert rc is None and err == "" and os.listdir(tmp_path / "new" / "ckpt") == []
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--lr", "-1", "--lr -1 must be >= 0"),
+    ("--adam-beta1", "1.0", "--adam-beta1 1 must be in [0, 1)"),
+    ("--adam-beta2", "-0.1", "--adam-beta2 -0.1 must be in [0, 1)"),
+    ("--adam-eps", "0", "--adam-eps 0 must be > 0"),
+    ("--weight-decay", "-0.01", "--weight-decay -0.01 must be >= 0"),
+    ("--weight-decay", "nan", "--weight-decay nan must be >= 0"),
+    ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
+])
+def test_flag_values(flag, value, needle, monkeypatch, capsys):
+    rc, err, out = run_until_process_group(with_flag(BASE, flag, value), monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, needle)
+
+
+def test_launcher_rank():
+    assert launcher_rank({}) == 0
+    assert launcher_rank({"RANK": "3", "SLURM_PROCID": "0"}) == 3
+    assert launcher_rank({"SLURM_PROCID": "0", "OMPI_COMM_WORLD_RANK": "5"}) == 5  # mpirun inside Slurm
+    assert launcher_rank({"SLURM_PROCID": "7"}) == 7
+    assert launcher_rank({"PMI_RANK": "2"}) == 2
+    with pytest.raises(ConfigError):
+        raise ConfigError("x", every_rank=True)
+
+
+def test_error_once_per_job_exit_2_on_every_rank(tmp_path):
+    """Two real ranks of one job (launched without torchrun: they never reach a rendezvous)."""
+    (tmp_path / "file").write_text("x")
+    argv = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *BASE, "--save", str(tmp_path / "file" / "c")]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29558", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=REPO))
+    results = [(p.wait(timeout=180), *p.communicate()) for p in procs]
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 2, (rank, err[-2000:])
+        assert "Traceback" not in err and "iteration" not in out and "DeepSpeed engine" not in out
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert errors == ([f"error: --save {tmp_path / 'file' / 'c'} cannot be created (Not a directory: "
+                           f"{tmp_path / 'file' / 'c'}): choose a directory whose parents exist as directories "
+                           "and that you may write"] if rank == 0 else []), (rank, errors)
