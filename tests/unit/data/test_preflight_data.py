@@ -1,0 +1,81 @@
+"""Data errors come before any process group (issue 13, items 2 and 3): a missing or damaged prefix, a
+directory as --data-path, a bad --split, missing tokenizer files, a corpus too small for --seq-length;
+many epochs are warned about once per job."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from megatron.data.indexed_dataset import IndexedDatasetBuilder
+from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group, with_flag
+
+
+
+def _argv(prefix: str, gpt2_flags: list[str], *extra: str) -> list[str]:
+    argv = [a for a in BASE if a != "--mock-data"]
+    i = argv.index("--vocab-size")
+    del argv[i:i + 2]
+    return argv + ["--data-path", prefix, *gpt2_flags, *extra]
+
+
+@pytest.fixture
+def tiny_prefix(tmp_path) -> str:
+    """252 tokens in 3 documents (ids below the fixture tokenizer's 600)."""
+    b = IndexedDatasetBuilder(str(tmp_path / "tiny.bin"), dtype=np.uint16)
+    for n in (100, 100, 52):
+        b.add_document(np.arange(n) % 250)
+    b.finalize(str(tmp_path / "tiny.idx"))
+    return str(tmp_path / "tiny")
+
+
+def test_bad_prefixes_and_split(dataset_prefix, gpt2_flags, tmp_path, monkeypatch, capsys):
+    cases = [
+        (str(tmp_path / "nope"), [], [f"{tmp_path / 'nope'}.idx not found", "tools/preprocess_data.py"]),
+        (os.path.dirname(dataset_prefix), [], ["is a directory", f"e.g. --data-path {dataset_prefix}"]),
+        (dataset_prefix, ["--split", "a,b"], ["--split 'a,b' must be up to three numbers"]),
+        (dataset_prefix, ["--split", "0,50,50"], ["--split 0,50,50 leaves the train split", "with no documents"]),
+    ]
+    for prefix, extra, needles in cases:
+        rc, err, out = run_until_process_group(_argv(prefix, gpt2_flags, *extra), monkeypatch, capsys)
+        assert_one_line_error(rc, err, out, *needles)
+
+
+def test_damaged_files_and_tokenizer(dataset_prefix, gpt2_flags, tmp_path, monkeypatch, capsys):
+    copy = str(tmp_path / "copy")
+    for ext in (".bin", ".idx"):
+        shutil.copy(dataset_prefix + ext, copy + ext)
+    os.truncate(copy + ".bin", os.path.getsize(copy + ".bin") - 2)
+    rc, err, out = run_until_process_group(_argv(copy, gpt2_flags), monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"{copy}.bin is truncated")
+    with open(copy + ".idx", "r+b") as f:
+        f.write(b"NOTMEGA")
+    rc, err, out = run_until_process_group(_argv(copy, gpt2_flags), monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"{copy}.idx is not a Megatron MMIDIDX index")
+    flags = with_flag(gpt2_flags, "--vocab-file", str(tmp_path / "vocab.json"))
+    rc, err, out = run_until_process_group(_argv(dataset_prefix, flags), monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"--vocab-file {tmp_path / 'vocab.json'} not found")
+
+
+def test_corpus_too_small_for_seq_length(tiny_prefix, gpt2_flags, monkeypatch, capsys):
+    argv = _argv(tiny_prefix, gpt2_flags, "--seq-length", "4096", "--max-position-embeddings", "4096")
+    argv = with_flag(with_flag(argv, "--global-batch-size", "2"), "--micro-batch-size", "1")
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, f"--data-path {tiny_prefix}: its train split holds 252 tokens",
+                          "(2 samples x (--seq-length 4096 + 1) = 8194)")
+
+
+def test_many_epochs_warned_once_per_job(tiny_prefix, gpt2_flags, monkeypatch, capsys):
+    # 8 samples x 17 tokens fit one iteration; 10 iterations x 8 x 16 tokens need ceil(1281/252) = 6 epochs.
+    argv = with_flag(with_flag(_argv(tiny_prefix, gpt2_flags), "--seq-length", "16"), "--train-iters", "10")
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys)
+    assert rc is None and err == ""
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert warnings == [f"> WARNING: --data-path {tiny_prefix}: --train-iters needs 6 epochs over its train split "
+                        "of 252 tokens; every sample repeats 6 times (more data, or fewer --train-iters, if "
+                        "unintended)"], out
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys, world_size=2, rank=1)
+    assert rc is None and "WARNING" not in out
+    rc, err, out = run_until_process_group(with_flag(argv, "--train-iters", "2"), monkeypatch, capsys)
+    assert rc is None and "WARNING" not in out  # 2 epochs: not worth a warning
