@@ -4,9 +4,10 @@
 //
 // What it executes: the kernels' own indexing, masking, LDS layout, __syncthreads placement, fp16/bf16
 // conversions and wave-64 reductions (as AMD defines them: a 64-lane xor shuffle). What it checks:
-//  * synchronisation contracts: a __syncthreads or a wave helper that some threads never reach (a
-//    deadlock on hardware) and a wave helper called with different lane masks or from different call
-//    counts within a wave (divergence) are reported as launch errors through hipGetLastError;
+//  * synchronisation contracts: a __syncthreads or a wave helper that some live threads never reach (a
+//    deadlock on hardware), a __syncthreads passed by only some lanes of a wave, and a wave helper called
+//    with different lane masks or call counts within a wave (divergence) are reported as launch errors
+//    through hipGetLastError. Threads that have exited do not hold a barrier, as on hardware;
 //  * missing barriers: a block runs its threads one after the other between barriers, in increasing or
 //    (set_reverse_order) decreasing thread order, so a read of shared memory that is not ordered after
 //    its write by a barrier sees a stale value in at least one of the two orders.
@@ -138,7 +139,15 @@ inline void run_block() {
       }
       for (size_t l = 0; l < 64; ++l) all_done = all_done && e.fibers[w * 64 + l].state == Fiber::kDone;
     }
-    if (all_done) return;
+    if (all_done) {
+      // Both platforms need __syncthreads in wave-uniform control flow (AMD executes s_barrier once per wave
+      // whatever its lanes do; NVIDIA counts warps): lanes of one wave must have passed the same number.
+      for (size_t w = 0; w < waves; ++w)
+        for (size_t l = 1; l < 64; ++l)
+          if (e.fibers[w * 64 + l].block_barriers != e.fibers[w * 64].block_barriers)
+            fail("__syncthreads reached by only some lanes of a wave (divergent barrier)");
+      return;
+    }
     if (release_block_barrier()) continue;
     if (!progress) {
       fail("deadlock: threads wait at a barrier that other threads of the block or wave never reach");

@@ -93,3 +93,50 @@ int emu_norm_bwd(const void* dy, const void* x, const void* w, const float* mean
 }
 
 }  // extern "C"
+
+// Self-test of the emulator's checks: kernels that break the contracts of csrc/common/wave64.h.
+namespace selftest {
+
+__global__ void divergent_wave_sum(float* out) {  // half a wave skips the reduction: a deadlock on hardware
+  float v = 1.f;
+  if (threadIdx.x % 64 < 32) v = mf_gpu::wave_sum(v);
+  out[threadIdx.x] = v;
+}
+
+__global__ void mixed_lane_masks(float* out) {  // lanes of one wave disagree on the shuffle
+  out[threadIdx.x] = mf_gpu::wave_shfl_xor(1.f, threadIdx.x % 2 ? 1 : 2);
+}
+
+__global__ void partial_syncthreads(float* out) {  // half of every wave skips the barrier
+  if (threadIdx.x % 64 < 32) __syncthreads();
+  out[threadIdx.x] = 1.f;
+}
+
+// Each thread reads its neighbour's shared-memory slot: correct only with the barrier between.
+template <bool kBarrier>
+__global__ void neighbour_read(float* out, float seed) {
+  __shared__ float s[256];
+  s[threadIdx.x] = seed + threadIdx.x;
+  if (kBarrier) __syncthreads();
+  out[threadIdx.x] = s[(threadIdx.x + 1) % 256];
+}
+
+}  // namespace selftest
+
+extern "C" {
+
+// which: 0 divergent wave_sum, 1 mixed lane masks, 2 partial __syncthreads, 3 neighbour read without and
+// 4 with a barrier. Returns hipGetLastError() of the launch (one block of 256 threads).
+int emu_selftest(int which, float* out, float seed) {
+  const dim3 grid(1), block(256);
+  switch (which) {
+    case 0: hipLaunchKernelGGL(selftest::divergent_wave_sum, grid, block, 0, nullptr, out); break;
+    case 1: hipLaunchKernelGGL(selftest::mixed_lane_masks, grid, block, 0, nullptr, out); break;
+    case 2: hipLaunchKernelGGL(selftest::partial_syncthreads, grid, block, 0, nullptr, out); break;
+    case 3: hipLaunchKernelGGL(selftest::neighbour_read<false>, grid, block, 0, nullptr, out, seed); break;
+    default: hipLaunchKernelGGL(selftest::neighbour_read<true>, grid, block, 0, nullptr, out, seed); break;
+  }
+  return hipGetLastError();
+}
+
+}  // extern "C"

@@ -43,7 +43,8 @@ def emu(tmp_path_factory):
     cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMF_GPU_EMULATE", "-Wall", "-Wextra",
            "-Wno-unknown-pragmas", "-Werror", "-x", "c++", *(os.path.join(REPO, s) for s in SOURCES), "-x", "none",
            os.path.join(REPO, "tests/unit/kernels/hip_emu_shim.cpp"), "-o", str(lib)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"building the emulated kernels failed:\n{done.stderr[-4000:]}"
     so = ctypes.CDLL(str(lib))
     so.emu_attn_fwd.argtypes = [_p] * 5 + [_i] * 5 + [_f, _i, _i]
     so.emu_attn_bwd.argtypes = [_p] * 10 + [_i] * 5 + [_f, _i, _i]
@@ -52,7 +53,26 @@ def emu(tmp_path_factory):
     so.emu_norm_bwd_chunks.argtypes = [_i64]
     so.emu_norm_bwd_chunks.restype = _i64
     so.emu_set_reverse_order.argtypes = [_i]
+    so.emu_selftest.argtypes = [_i, _p, _f]
     return so
+
+
+def test_emulator_reports_broken_contracts(emu):
+    """The checks the kernel tests rely on: a broken contract is an error, a missing barrier shows."""
+    out = torch.zeros(256)
+    for which, what in enumerate(("divergent wave_sum", "mixed lane masks", "half of each wave skips __syncthreads")):
+        assert emu.emu_selftest(which, out.data_ptr(), 0.0) != 0, what
+    expected = lambda seed: seed + (torch.arange(256) + 1) % 256  # noqa: E731
+    stale = False
+    for reverse in (0, 1):
+        emu.emu_set_reverse_order(reverse)
+        seed = 1000.0 * (reverse + 1)  # shared memory is a static here: each launch writes new values
+        assert emu.emu_selftest(3, out.data_ptr(), seed) == 0
+        stale = stale or not torch.equal(out, expected(seed))
+        assert emu.emu_selftest(4, out.data_ptr(), seed + 500) == 0
+        assert torch.equal(out, expected(seed + 500)), "with the barrier every order must read the new values"
+    emu.emu_set_reverse_order(0)
+    assert stale, "a read of shared memory not ordered by a barrier went unnoticed in both thread orders"
 
 
 class Guarded:
