@@ -25,7 +25,13 @@ import torch
 import torch.distributed as tdist
 
 from megatron.checkpointing import safe_io
-from megatron.checkpointing.full_state import is_full_state, load_into_model, partition_table, read_full_state
+from megatron.checkpointing.full_state import (
+    is_full_state,
+    load_into_model,
+    partition_table,
+    read_full_moments,
+    read_full_state,
+)
 from megatron.checkpointing.state import (
     check_model_shape,
     check_resume,
@@ -37,6 +43,7 @@ from megatron.checkpointing.state import (
 )
 from megatron.config import RunConfig
 from megatron.core import comm
+from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import CheckpointError, ConfigError
 
@@ -91,10 +98,8 @@ def _rank0() -> bool:
 
 def _agreed_id() -> str:
     """One id for this save on every rank (DeepSpeed checks that all ranks use the same tag)."""
-    t = torch.tensor([int(time.time() * 1000) % 10**12 * 1000 + os.getpid() % 1000 if _rank0() else 0],
-                     dtype=torch.int64)
-    comm.all_reduce(t)
-    return f"{t.item():x}"
+    mine = int(time.time() * 1000) % 10**12 * 1000 + os.getpid() % 1000 if _rank0() else 0
+    return f"{comm.reduce_host([mine], dtype=torch.int64)[0]:x}"
 
 
 def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argparse.Namespace, run: RunConfig,
@@ -103,31 +108,26 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
     save_dir = settings.save
     tag = f"global_step{iteration}"
     tmp_tag = f"{tag}.tmp-{_agreed_id()}"
-    ckpt_engine = safe_io.install(engine)
-    if settings.no_save_optim and run.parallel.zero_stage == 3:
+    if settings.no_save_optim and run.parallel.zero_stage == 3 and not hzero_ckpt.is_engine(engine):
         raise ConfigError("--no-save-optim with --zero-stage 3: ZeRO-3 keeps the weights only in the optimizer "
                           "partitions; save the optimizer or use ZeRO-1/2")
     # RNG states differ per DP rank but DeepSpeed writes client_state once per model-parallel rank:
     # gather them over DP so every model file carries the whole list (Megatron does the same).
-    rngs = [None] * pstate.dp.size
-    tdist.all_gather_object(rngs, rng_state(), group=pstate.dp.group)
-    tables = [None] * tdist.get_world_size()
-    tdist.all_gather_object(tables, partition_table(engine.module, run.model.num_layers))
+    tables = comm.all_gather_object(partition_table(engine.module, run.model.num_layers))
     meta = {"iteration": iteration, "consumed_samples": consumed_samples, "args": plain_args(args),
             "run": plain_run(run), "has_optimizer": not settings.no_save_optim, "tag": tag,
             "lr_num_steps": engine.lr_scheduler.num_steps if engine.lr_scheduler is not None else iteration,
             "partition_table": {k: v for t in tables for k, v in t.items()},
             "format": "megatron-frontier/deepspeed-v1"}
-    client_state = {**meta, "rng_states": rngs}
-    saved_flag = engine.save_zero_checkpoint
-    try:
-        ckpt_engine.drop_optimizer = settings.no_save_optim
-        if settings.no_save_optim:
-            engine.save_zero_checkpoint = False
-        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
-    finally:
-        ckpt_engine.drop_optimizer = False
-        engine.save_zero_checkpoint = saved_flag
+    if hzero_ckpt.is_engine(engine):  # hierarchical ZeRO: every rank writes its own file, RNG state included
+        meta.update(format=hzero_ckpt.FORMAT, hierarchy=hzero_ckpt.layout(engine, _ranks_per_node(engine)),
+                    shards={str(r): e for r, e in enumerate(comm.all_gather_object(hzero_ckpt.shard_table_entry(
+                        engine)))})
+        hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
+                              not settings.no_save_optim)
+        comm.barrier()  # every shard is on disk before rank 0 commits
+    else:
+        _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
     final = os.path.join(save_dir, tag)
     if _rank0():
         tmp = os.path.join(save_dir, tmp_tag)
@@ -143,6 +143,30 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
         _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
     comm.barrier()  # nobody proceeds (or exits) before the checkpoint is committed
     return final
+
+
+def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: ParallelState,
+                    settings: CheckpointSettings) -> None:
+    ckpt_engine = safe_io.install(engine)
+    # RNG states differ per DP rank but DeepSpeed writes client_state once per model-parallel rank:
+    # gather them over DP so every model file carries the whole list (Megatron does the same).
+    rngs = comm.all_gather_object(rng_state(), group=pstate.dp.group)
+    client_state = {**meta, "rng_states": rngs}
+    saved_flag = engine.save_zero_checkpoint
+    try:
+        ckpt_engine.drop_optimizer = settings.no_save_optim
+        if settings.no_save_optim:
+            engine.save_zero_checkpoint = False
+        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    finally:
+        ckpt_engine.drop_optimizer = False
+        engine.save_zero_checkpoint = saved_flag
+
+
+def _ranks_per_node(engine) -> int:
+    from megatron.core import hierarchical_zero
+
+    return hierarchical_zero.ranks_per_node(engine.cfg)
 
 
 def _retain(save_dir: str, keep_last: int | None, keep: str, current_tmp: str) -> None:
@@ -206,8 +230,7 @@ def validate_files(ckpt_dir: str) -> None:
             safe_io.safe_load(os.path.join(ckpt_dir, name), mmap=True)
         except CheckpointError as e:
             err = str(e)
-    errors = [None] * world
-    tdist.all_gather_object(errors, err)
+    errors = comm.all_gather_object(err)
     first = next((e for e in errors if e), None)
     if first:
         raise CheckpointError(first)
@@ -236,8 +259,15 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict({"num_steps": full.lr_num_steps})
             apply_schedule_lr(engine)
+        optim = "optimizer and RNG start fresh"
+        got = None if settings.finetune or settings.no_load_optim else read_full_moments(full.path)
+        if got is not None:  # a resharded checkpoint's Adam moments (tools/reshard_checkpoint.py)
+            from megatron.checkpointing.moments import load_moments
+
+            optim = load_moments(engine, got[0], got[1], pstate.tp.size, pstate.tp.rank, run.model.num_layers,
+                                 full.path) + "; RNG starts fresh"
         _say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
-             f"{full.consumed_samples} (optimizer and RNG start fresh)")
+             f"{full.consumed_samples} ({optim})")
         return full
     if not settings.load:
         return Resume()
@@ -252,10 +282,15 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
     validate_files(ckpt_dir)
-    safe_io.install(engine)
-    path, client = engine.load_checkpoint(settings.load, tag=tag, load_optimizer_states=load_optim,
-                                          load_lr_scheduler_states=not settings.finetune,
-                                          load_module_only=settings.finetune)
+    if hzero_ckpt.is_engine(engine):  # every rank reads only its own shard file
+        hzero_ckpt.check_engine_layout(engine, meta, _ranks_per_node(engine), ckpt_dir)
+        shard = hzero_ckpt.load_shard(engine, ckpt_dir, tdist.get_rank(), load_optim, not settings.finetune)
+        path, client = ckpt_dir, {**meta, "rng_state": shard["rng"]}
+    else:
+        safe_io.install(engine)
+        path, client = engine.load_checkpoint(settings.load, tag=tag, load_optimizer_states=load_optim,
+                                              load_lr_scheduler_states=not settings.finetune,
+                                              load_module_only=settings.finetune)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}; check that its files are complete")
     apply_schedule_lr(engine)
@@ -263,7 +298,9 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         _say(f"> loaded weights from {ckpt_dir} (--finetune: iteration, optimizer and RNG start fresh)")
         return Resume(0, 0, ckpt_dir)
     rng = None
-    if not settings.no_load_rng:
+    if not settings.no_load_rng and "rng_state" in client:  # hierarchical ZeRO: this rank's own
+        rng = client["rng_state"]
+    elif not settings.no_load_rng:
         rng = rng_for_rank(client["rng_states"], pstate.dp.rank, pstate.dp.size)
         if rng is None:
             _say(f"> WARNING: {ckpt_dir} was saved with {len(client['rng_states'])} data-parallel ranks, now "

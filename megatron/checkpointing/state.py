@@ -79,6 +79,11 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
         raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or convert it "
                           f"first: python tools/reshard_checkpoint.py --load {where} --save NEW_DIR and --load "
                           f"NEW_DIR (see {RESHARD_DOC})")
+    # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
+    # even without the optimizer.
+    from megatron.core.hierarchical_zero.checkpoint import check_saved_layout
+
+    check_saved_layout(saved, run, where)
     if not load_optim:
         return
     saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])

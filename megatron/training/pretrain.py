@@ -18,6 +18,7 @@ import torch
 
 from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, load_full_state, save_checkpoint
+from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
@@ -41,11 +42,10 @@ class Providers:
     """Vocabulary size (before padding) implied by the data/tokenizer flags."""
 
 
-def _dp_mean(value: float, pstate: ParallelState) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if pstate.dp.size > 1:
-        comm.all_reduce(t, pstate.dp.group)
-    return t.item() / pstate.dp.size
+def _dp_mean(value: float | torch.Tensor, pstate: ParallelState) -> float:
+    if pstate.dp.size == 1:
+        return comm.to_host(value)[0]
+    return comm.reduce_host([value], pstate.dp.group)[0] / pstate.dp.size
 
 
 def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int) -> float:
@@ -55,7 +55,7 @@ def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, 
     total, n = 0.0, 0
     with torch.no_grad():
         for _ in range(iters * gas):
-            total += forward_step(engine, next(data)).float().item()
+            total = total + forward_step(engine, next(data)).float()  # summed on the device: no sync per batch
             n += 1
     engine.train()
     return _dp_mean(total / max(1, n), pstate)
@@ -90,6 +90,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
     ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
     ckpt = CheckpointSettings.from_args(args)
+    check_checkpoint_support(run, ds_config, ckpt)  # engine x --save/--load: refused now, not at the first save
     preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
@@ -155,6 +156,9 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
                                                                                  providers.forward_step)
         consumed += gbs
+        # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
+        # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
+        flags = control.exchange(res)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters
         loss = None
@@ -174,7 +178,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                 logger.validation(it, loss)
             else:
                 logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
-        decision = control.after_iteration(it, res.loss)  # all ranks agree: save? exit? persistent NaN?
+        decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
             save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
         if decision.exit:

@@ -1,0 +1,152 @@
+"""Hierarchical ZeRO (--zero-hierarchy package,node,network) checkpoints on 4 gloo ranks (2 simulated nodes of 2):
+bit-exact resume in fp32 and in bf16 with the int8 network stage (its error-feedback residuals are saved), HF
+export of the saved shards, layout refusals, retention, and a kill -9 in the middle of a save."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.checkpointing.common import BASE, pretrain_on
+
+HIER = ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--train-iters", "20"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _two_nodes(tmp_path) -> list[str]:
+    """4 local ranks as 2 nodes x 2 GCDs, so the network tier (and its int8 stage) really exists."""
+    path = str(tmp_path / "ds.json")
+    with open(path, "w") as f:
+        json.dump({"zero_optimization": {"stage": 3}, "megatron_frontier": {"ranks_per_node": 2}}, f)
+    return ["--deepspeed_config", path]
+
+
+def _batch(iteration: int, gbs: int = 4, seq: int = 16, vocab: int = 200, seed: int = 7) -> torch.Tensor:
+    from megatron.data.mock_dataset import MockGPTDataset
+
+    ds = MockGPTDataset(100, seq, vocab, seed)
+    return torch.stack([torch.from_numpy(ds[i]["text"]) for i in range((iteration - 1) * gbs, iteration * gbs)])
+
+
+@pytest.mark.timeout(600)
+def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron.checkpointing.convert import read_any
+    from megatron.checkpointing.full_state import load_into_model
+    from megatron.core.hierarchical_zero.checkpoint import check_saved_layout
+    from megatron.core.parallel_state import single_process_state
+    from megatron.errors import ConfigError
+    from megatron.model.gpt_model import GPTModel
+    from megatron.model.sizes import named_model
+    from tools.convert_checkpoint_to_hf import main as to_hf
+
+    save = str(tmp_path / "ckpt")
+    # Vocab 256 needs no padding: HF sees the true vocabulary, so its loss equals ours only without padded rows.
+    args = BASE + NO_DROPOUT + HIER + _two_nodes(tmp_path) + ["--vocab-size", "256"]
+    straight = pretrain_on(4, args + ["--save", save, "--save-interval", "10"])["losses"]
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write("global_step10")
+    step10 = os.path.join(save, "global_step10")
+    assert sorted(os.listdir(step10)) == [f"hzero_rank_{r:05d}.pt" for r in range(4)] + ["megatron_meta.json"]
+    with open(os.path.join(step10, "megatron_meta.json")) as f:
+        meta = json.load(f)
+    assert meta["hierarchy"]["level_sizes"] == {"package": 2, "network": 2} and meta["has_optimizer"]
+
+    # HF export of the hierarchical shards: GPT2LMHeadModel's logits are ours (same weights), and its loss on
+    # batch 11 is the straight run's logged loss of iteration 11 (computed with the weights after step 10).
+    assert to_hf(["--load", save, "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    full, model_fields, progress = read_any(save)
+    assert progress["iteration"] == 10
+    cfg = named_model("debug", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
+                      make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0)
+    ours = GPTModel(cfg, tp=single_process_state().tp).eval()
+    load_into_model(ours, full, 2, 1, 0, save)
+    tokens = _batch(11, vocab=256)
+    with torch.no_grad():
+        theirs = hf(tokens[:, :-1]).logits
+        mine = ours(tokens[:, :-1])
+    assert (theirs - mine).abs().max().item() < 1e-5
+    hf_loss = torch.nn.functional.cross_entropy(theirs.reshape(-1, 256), tokens[:, 1:].reshape(-1)).item()
+    assert abs(hf_loss - straight[11]) < 1e-5, (hf_loss, straight[11])
+
+    # A different DP size or tier layout is refused before any process group, naming the fix.
+    def refused(**parallel) -> str:
+        run = SimpleNamespace(parallel=SimpleNamespace(**{"zero_hierarchy": "package,node,network", "dp": 4,
+                                                          "zero_hierarchy_weights": None, "zero_hierarchy_int8": False,
+                                                          **parallel}))
+        with pytest.raises(ConfigError) as e:
+            check_saved_layout(meta, run, step10)
+        assert "tools/reshard_checkpoint.py" in str(e.value) and "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "data-parallel size 4 (now 2)" in refused(dp=2)
+    assert "--zero-hierarchy package,node,network (now node,network)" in refused(zero_hierarchy="node,network")
+    assert "--zero-hierarchy-int8 off (now on)" in refused(zero_hierarchy_int8=True)
+    assert "DeepSpeed engine" in refused(zero_hierarchy=None)
+
+    # Resume from step 10 (retention keeps only the newest): iterations 11..20 are the straight run's, bit for bit.
+    resumed = pretrain_on(4, args + ["--load", save, "--save", save, "--keep-last-n-checkpoints", "1"])["losses"]
+    assert resumed == {i: straight[i] for i in range(11, 21)}, (resumed, straight)
+    assert len(set(resumed.values())) == 10
+    assert sorted(n for n in os.listdir(save) if n.startswith("global_step")) == ["global_step20"]
+
+
+@pytest.mark.timeout(600)
+def test_bf16_int8_exit_save_resume_bit_exact(tmp_path):
+    """Dropout on: exactness also needs every rank's RNG state, which each rank writes into its own file."""
+    save = str(tmp_path / "ckpt")
+    args = BASE + HIER + ["--bf16", "--zero-hierarchy-int8"] + _two_nodes(tmp_path)
+    first = pretrain_on(4, args + ["--save", save, "--exit-interval", "10"])
+    assert first["exit_reason"] == "--exit-interval 10" and list(first["losses"]) == list(range(1, 11))
+    state = torch.load(os.path.join(save, "global_step10", "hzero_rank_00001.pt"), weights_only=True)
+    assert state["residual"] is not None and state["residual"].abs().sum() > 0  # int8 error feedback is kept
+    assert state["secondary"][0].dtype == torch.bfloat16 and state["master"].dtype == torch.float32
+    resumed = pretrain_on(4, args + ["--save", save, "--load", save])["losses"]
+    straight = pretrain_on(4, args)["losses"]
+    assert resumed[20] == straight[20] and resumed == {i: straight[i] for i in range(11, 21)}, (resumed, straight)
+
+
+SLOW_SAVE = """
+import sys, time
+from megatron.checkpointing import safe_io
+orig = safe_io.SafeCheckpointEngine.save
+def slow(self, state_dict, path):
+    orig(self, state_dict, path)
+    if "global_step4.tmp-" in path:
+        print("SAVING", path, flush=True)
+        time.sleep(60)
+safe_io.SafeCheckpointEngine.save = slow
+import pretrain_gpt
+sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_kill_during_hierarchical_save_keeps_latest_loadable(tmp_path):
+    from tests.checkpointing.test_faults import _env
+    from tests.functional.cli import REPO, run_pretrain
+
+    save = str(tmp_path)
+    args = BASE + ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--save", save,
+                   "--save-interval", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args, "--train-iters", "6"], cwd=REPO, env=_env(),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    for line in proc.stdout:  # the step-4 shard is on disk under its temporary tag, the save not committed
+        if line.startswith("SAVING"):
+            assert "hzero_rank_00000.pt" in line, line
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert any(n.startswith("global_step4.tmp-") for n in os.listdir(save))
+    assert open(os.path.join(save, "latest")).read() == "global_step2"
+    out = run_pretrain(1, args + ["--load", save, "--train-iters", "3"])
+    assert "loaded " + os.path.join(save, "global_step2") in out.stdout
+    assert open(os.path.join(save, "latest")).read() == "global_step3"
+    assert not any(".tmp-" in n for n in os.listdir(save))
