@@ -15,16 +15,15 @@ from megatron.errors import run_cli  # noqa: E402
 
 def main(argv=None) -> int:
     from megatron.checkpointing.convert import hf_to_full_state
+    from megatron.checkpointing.hf import matching_flags
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hf", required=True, help="local directory with config.json and *.safetensors")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     m = hf_to_full_state(args.hf, args.out)
-    flags = (f"--num-layers {m['num_layers']} --hidden-size {m['hidden_size']} --num-attention-heads "
-             f"{m['num_attention_heads']} --num-key-value-heads {m['num_key_value_heads']} --ffn-hidden-size "
-             f"{m['ffn_hidden_size']} --max-position-embeddings {m['max_position_embeddings']}")
-    print(f"> wrote {args.out}; train with --load {args.out} and the matching shape flags: {flags}")
+    # --vocab-size is for --mock-data / NullTokenizer; with --data-path the tokenizer must have that many entries.
+    print(f"> wrote {args.out}; train with --load {args.out} {' '.join(matching_flags(m))}")
     return 0
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron.checkpointing.checkpoint import read_latest, read_meta
 from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
-from megatron.checkpointing.hf import from_hf, to_hf
+from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
 from megatron.checkpointing.safe_io import atomic_write_text, fsync_file
 from megatron.errors import CheckpointError
 
@@ -34,8 +34,11 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
 
 
 def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str,
-                     moments: dict | None = None, optimizer_step: int = 0) -> None:
+                     moments: dict | None = None, optimizer_step: int = 0, special_tokens: dict | None = None) -> None:
+    """``special_tokens``: {bos,eos}_token_id of an imported HF model, written back by an export."""
     extra = {"optimizer_step": optimizer_step} if moments else {}
+    if special_tokens:
+        extra["special_tokens"] = special_tokens
     save_full_state(out_dir, full, {"model": model, "source": source, **progress, **extra,
                                     "format": "megatron-frontier/full-state-v1"}, moments)
 
@@ -54,9 +57,11 @@ def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, s
     return merge_moments(ckpt_dir, read_meta(ckpt_dir))
 
 
-def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict) -> dict:
-    """safetensors + config.json that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads."""
+def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict, special_tokens: dict | None = None) -> dict:
+    """safetensors + config.json that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads;
+    ``special_tokens`` ({bos,eos}_token_id) go into config.json (transformers warns without them)."""
     hf, config = to_hf(full, model)
+    config.update(special_tokens or {})
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")
     save_file({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
@@ -93,5 +98,6 @@ def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
 def hf_to_full_state(hf_dir: str, out_dir: str) -> dict:
     hf, config = read_hf(hf_dir)
     full, model = from_hf(hf, config)
-    write_full_state(out_dir, full, model, {"iteration": 0, "consumed_samples": 0, "lr_num_steps": 0}, hf_dir)
+    write_full_state(out_dir, full, model, {"iteration": 0, "consumed_samples": 0, "lr_num_steps": 0}, hf_dir,
+                     special_tokens=special_token_ids(config))
     return model

@@ -2,7 +2,9 @@
 
 Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py):
 - GPT-2's c_attn / c_proj / c_fc are ``Conv1D``: weights are stored [in, out], the transpose of nn.Linear.
-  c_attn's output is [all q heads | all k heads | all v heads]; GELU ``"gelu"`` is the exact erf form (ours).
+  c_attn's output is [all q heads | all k heads | all v heads]. GELU ``"gelu"`` is the exact erf form;
+  ``"gelu_new"`` (GPT-2's default), ``"gelu_pytorch_tanh"`` and ``"gelu_fast"`` are the tanh approximation,
+  which our ``openai_gelu`` (--openai-gelu) computes as torch's ``gelu(approximate="tanh")``.
 - Llama's q/k/v/o and gate/up/down are nn.Linear ([out, in]); its rotary is rotate-half (ours), so q and k
   need no permutation. RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
 - Our fused QKV is laid out per KV group: [q_1 .. q_g, k, v] for each KV head (g = heads / kv heads);
@@ -16,6 +18,8 @@ import torch
 from megatron.errors import ConfigError
 
 GPT2, LLAMA = "gpt2", "llama"
+# HF GPT-2 activation_function -> our openai_gelu (tanh approximation); anything else is refused.
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
 
 
 def variant(model: dict) -> str:
@@ -82,10 +86,12 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
             out["lm_head.weight"] = full["output_layer.linear.weight"]
         config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
                   "n_positions": m["max_position_embeddings"], "n_embd": h, "n_layer": nl,
-                  "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"], "activation_function": "gelu",
-                  "layer_norm_epsilon": m["layernorm_epsilon"], "resid_pdrop": m["hidden_dropout"],
-                  "embd_pdrop": m["hidden_dropout"], "attn_pdrop": m["attention_dropout"],
-                  "initializer_range": m["init_method_std"], "tie_word_embeddings": tied, "torch_dtype": "float32"}
+                  "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"],
+                  "activation_function": "gelu_new" if m.get("openai_gelu") else "gelu",
+                  "layer_norm_epsilon": m["layernorm_epsilon"], "resid_pdrop": m.get("hidden_dropout", 0.1),
+                  "embd_pdrop": m.get("hidden_dropout", 0.1), "attn_pdrop": m.get("attention_dropout", 0.1),
+                  "initializer_range": m.get("init_method_std", 0.02), "tie_word_embeddings": tied,
+                  "torch_dtype": "float32"}
         return {k: v.contiguous() for k, v in out.items()}, config
     bias = m["add_bias_linear"]
     out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"]
@@ -117,7 +123,7 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
               "num_attention_heads": m["num_attention_heads"], "num_key_value_heads": m["num_key_value_heads"],
               "max_position_embeddings": m["max_position_embeddings"], "rms_norm_eps": m["layernorm_epsilon"],
               "rope_theta": m["rotary_base"], "hidden_act": "silu", "attention_bias": bias, "mlp_bias": bias,
-              "attention_dropout": m["attention_dropout"], "initializer_range": m["init_method_std"],
+              "attention_dropout": m.get("attention_dropout", 0.1), "initializer_range": m.get("init_method_std", 0.02),
               "tie_word_embeddings": tied, "torch_dtype": "float32"}
     return {k: v.contiguous() for k, v in out.items()}, config
 
@@ -127,14 +133,21 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
     mt = config.get("model_type")
     if mt == "gpt2":
         h, nl, nh = config["n_embd"], config["n_layer"], config["n_head"]
-        if config.get("activation_function", "gelu_new") != "gelu":
-            raise ConfigError(f"HF GPT-2 activation_function={config.get('activation_function', 'gelu_new')!r}: our "
-                              "GPT-2 variant uses the exact erf GELU ('gelu'); tanh GELU models would not match")
+        act = config.get("activation_function", "gelu_new")  # transformers' GPT2Config default
+        if act not in GPT2_ACTIVATIONS:
+            raise ConfigError(f"HF GPT-2 activation_function={act!r}: only {', '.join(GPT2_ACTIVATIONS)} map to "
+                              "this trainer's MLP (exact GeLU, or --openai-gelu for the tanh approximation)")
+        if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
+            raise ConfigError("HF GPT-2 with scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true: our "
+                              "attention scales by 1/sqrt(head dim) only; such a model would not match")
         m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": nh, "num_key_value_heads": nh,
              "ffn_hidden_size": config.get("n_inner") or 4 * h, "seq_length": config["n_positions"],
              "max_position_embeddings": config["n_positions"], "vocab_size": config["vocab_size"],
              "normalization": "layernorm", "swiglu": False, "position_embedding_type": "learned_absolute",
              "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5), "add_bias_linear": True,
+             "openai_gelu": GPT2_ACTIVATIONS[act], "hidden_dropout": config.get("resid_pdrop", 0.1),
+             "attention_dropout": config.get("attn_pdrop", 0.1),
+             "init_method_std": config.get("initializer_range", 0.02),
              "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True)}
         full = {"embedding.word_embeddings.weight": hf["transformer.wte.weight"],
                 "embedding.position_embeddings": hf["transformer.wpe.weight"],
@@ -158,6 +171,8 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
     elif mt == "llama":
         h, nl = config["hidden_size"], config["num_hidden_layers"]
         bias = bool(config.get("attention_bias", False))
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"HF Llama hidden_act={config['hidden_act']!r}: our SwiGLU uses silu")
         if bias != bool(config.get("mlp_bias", False)):
             raise ConfigError("HF Llama with attention_bias != mlp_bias: our --disable-bias-linear covers both")
         m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": config["num_attention_heads"],
@@ -166,7 +181,9 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
              "max_position_embeddings": config["max_position_embeddings"], "vocab_size": config["vocab_size"],
              "normalization": "rmsnorm", "swiglu": True, "position_embedding_type": "rope",
              "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "rotary_base": config.get("rope_theta", 10000.0),
-             "add_bias_linear": bias, "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings")}
+             "add_bias_linear": bias, "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings"),
+             "hidden_dropout": 0.0, "attention_dropout": config.get("attention_dropout", 0.0),  # no residual dropout
+             "init_method_std": config.get("initializer_range", 0.02)}
         if config.get("rope_scaling"):
             raise ConfigError(f"HF Llama rope_scaling={config['rope_scaling']}: not supported by our rotary embedding")
         full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
@@ -195,3 +212,29 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
     if m["untie_embeddings_and_output_weights"]:
         full["output_layer.linear.weight"] = hf[head]
     return {k: v.contiguous() for k, v in full.items()}, m
+
+
+def special_token_ids(config: dict) -> dict:
+    """The bos/eos ids an HF config names (kept through a full state so an export writes them back)."""
+    return {k: int(config[k]) for k in ("bos_token_id", "eos_token_id") if isinstance(config.get(k), int)}
+
+
+def matching_flags(m: dict) -> list[str]:
+    """pretrain_gpt.py flags whose ModelConfig equals the model fields ``m`` (shape, variant, epsilon,
+    dropout), so that ``--load`` of the imported weights passes the shape check and computes the same model."""
+    flags = ["--num-layers", m["num_layers"], "--hidden-size", m["hidden_size"], "--num-attention-heads",
+             m["num_attention_heads"], "--num-key-value-heads", m["num_key_value_heads"], "--ffn-hidden-size",
+             m["ffn_hidden_size"], "--seq-length", m["seq_length"], "--max-position-embeddings",
+             m["max_position_embeddings"], "--vocab-size", m["vocab_size"], "--normalization", m["normalization"],
+             "--layernorm-epsilon", m["layernorm_epsilon"]]
+    if m.get("position_embedding_type", "learned_absolute") == "rope":
+        flags += ["--position-embedding-type", "rope", "--rotary-base", m.get("rotary_base", 10000.0)]
+    for key, flag, on in (("swiglu", "--swiglu", True), ("openai_gelu", "--openai-gelu", True),
+                          ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
+                          ("add_bias_linear", "--disable-bias-linear", False)):
+        if bool(m.get(key, not on)) == on:
+            flags.append(flag)
+    for key, flag in (("hidden_dropout", "--hidden-dropout"), ("attention_dropout", "--attention-dropout")):
+        if key in m:
+            flags += [flag, m[key]]
+    return [f"{v:g}" if isinstance(v, float) else str(v) for v in flags]

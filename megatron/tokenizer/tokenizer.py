@@ -11,6 +11,8 @@ from megatron.errors import ConfigError, DataError
 
 # Names a tokenizer may give its end-of-document token, in the order we prefer them.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+# Beginning-of-sequence tokens (written to an HF export's config); GPT-2 has none and uses its EOD for both.
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
 
 class MegatronTokenizer:
@@ -21,6 +23,11 @@ class MegatronTokenizer:
     @property
     def eod(self) -> int:
         raise NotImplementedError
+
+    @property
+    def bos(self) -> int | None:
+        """Beginning-of-sequence id, or None when the tokenizer has none (only HF export uses it)."""
+        return None
 
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -38,6 +45,9 @@ class _RustTokenizer(MegatronTokenizer):
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         vocab = tok.get_vocab(with_added_tokens=True)
         self._eod = next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
+        self._bos = next((vocab[t] for t in BOS_CANDIDATES if t in vocab), None)
+        if self._bos is None and "<|endoftext|>" in vocab:
+            self._bos = vocab["<|endoftext|>"]  # GPT-2's convention: bos = eos = <|endoftext|>
 
     @property
     def eod(self) -> int:
@@ -47,6 +57,10 @@ class _RustTokenizer(MegatronTokenizer):
                 f"add one when training it (tools/train_tokenizer.py does) or drop --append-eod"
             )
         return self._eod
+
+    @property
+    def bos(self) -> int | None:
+        return self._bos
 
     def tokenize(self, text: str) -> list[int]:
         # No BOS/EOS insertion: Megatron appends EOD itself (--append-eod), documents are otherwise raw.
@@ -107,6 +121,10 @@ class HFTokenizer(MegatronTokenizer):
     def eod(self) -> int:
         return self._impl.eod
 
+    @property
+    def bos(self) -> int | None:
+        return self._impl.bos
+
     def tokenize(self, text: str) -> list[int]:
         return self._impl.tokenize(text)
 
@@ -133,6 +151,10 @@ class _TransformersTokenizer(MegatronTokenizer):
             raise ConfigError(f"tokenizer {self._source} has no eos token; set one in its config or drop --append-eod")
         return self._tok.eos_token_id
 
+    @property
+    def bos(self) -> int | None:
+        return self._tok.bos_token_id
+
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
@@ -153,10 +175,15 @@ class SentencePieceTokenizer(MegatronTokenizer):
         self._sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
         self.vocab_size = self._sp.get_piece_size()
         self._eod = self._sp.eos_id()
+        self._bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
     @property
     def eod(self) -> int:
         return self._eod
+
+    @property
+    def bos(self) -> int | None:
+        return self._bos
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
