@@ -45,8 +45,6 @@ class TrainingError(MegatronError):
 class DistributedError(MegatronError):
     """A lost peer, a collective timeout, or a rank layout that cannot be discovered."""
 
-    every_rank = True  # a rank that cannot join or lost its peer may be the only one that knows
-
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's global rank from the launcher's environment alone (no process group, no mpi4py):

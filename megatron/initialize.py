@@ -55,7 +55,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     except (RuntimeError, ValueError) as e:
         raise DistributedError(
             f"could not create the {backend} process group at {addr}:{port} as rank {rank}/{world_size} ({e}); "
-            "check MASTER_ADDR/MASTER_PORT and that every rank was launched"
+            "check MASTER_ADDR/MASTER_PORT and that every rank was launched",
+            every_rank=True,  # the ranks that could not join may not include rank 0
         ) from e
     return rank, world_size
 
