@@ -47,10 +47,12 @@ struct Fiber {
   std::vector<char> stack;
   dim3 tid;
   unsigned linear = 0;
-  enum State { kRunnable, kBlockBarrier, kWaveBarrier, kDone } state = kRunnable;
+  enum State { kRunnable, kBlockBarrier, kWaveBarrier, kWarpBarrier, kDone } state = kRunnable;
   long block_barriers = 0;  // calls so far: all threads of a block must agree at each release
-  long wave_calls = 0;
-  int lane_mask = 0;
+  long wave_calls = 0;      // wave barriers (AMD shuffles or named barriers), and warp shuffles, so far
+  long warp_calls = 0;
+  int lane_mask = 0;   // of the shuffle in progress
+  unsigned bar_id = 0; // named barrier in progress (two-warp mode)
 };
 
 struct Emulator {
@@ -61,7 +63,7 @@ struct Emulator {
   dim3 block_idx, block_dim, grid_dim;
   bool reverse = false;
   std::string error;  // first failure of the last launches, cleared by hipGetLastError
-  std::vector<std::vector<float>> exchange;  // [wave][64] for wave_shfl_xor
+  std::vector<std::vector<float>> exchange;  // [wave][64] for wave_shfl_xor and warp_shfl_xor
 };
 
 inline Emulator& emu() {
@@ -107,8 +109,23 @@ inline bool release_wave_barrier(size_t w) {
   for (size_t l = 0; l < 64; ++l)
     if (lanes[l].state != Fiber::kWaveBarrier) return false;
   for (size_t l = 0; l < 64; ++l) {
-    if (lanes[l].wave_calls != lanes[0].wave_calls || lanes[l].lane_mask != lanes[0].lane_mask)
+    if (lanes[l].wave_calls != lanes[0].wave_calls || lanes[l].lane_mask != lanes[0].lane_mask ||
+        lanes[l].bar_id != lanes[0].bar_id)
       fail("a wave helper was called divergently (lanes disagree on the call or its lane mask)");
+    lanes[l].state = Fiber::kRunnable;
+  }
+  return true;
+}
+
+// Two-warp mode: releases the shuffle of warp h (0, 1) of wave w once its 32 lanes have reached it.
+inline bool release_warp_barrier(size_t w, size_t h) {
+  Emulator& e = emu();
+  Fiber* lanes = &e.fibers[w * 64 + h * 32];
+  for (size_t l = 0; l < 32; ++l)
+    if (lanes[l].state != Fiber::kWarpBarrier) return false;
+  for (size_t l = 0; l < 32; ++l) {
+    if (lanes[l].warp_calls != lanes[0].warp_calls || lanes[l].lane_mask != lanes[0].lane_mask)
+      fail("a warp shuffle was called divergently (lanes disagree on the call or its lane mask)");
     lanes[l].state = Fiber::kRunnable;
   }
   return true;
@@ -116,7 +133,8 @@ inline bool release_wave_barrier(size_t w) {
 
 // Runs one block. Waves are scheduled one at a time, each as far as it can go (through its own wave
 // barriers) before the next starts, so waves are maximally out of step, as nothing but __syncthreads
-// orders them on hardware; within a wave, lanes run one after the other between wave barriers.
+// orders them on hardware; likewise the two 32-lane halves of a wave (warps, in two-warp mode) between
+// wave barriers; lanes run one after the other between barriers.
 inline void run_block() {
   Emulator& e = emu();
   const size_t waves = e.fibers.size() / 64;
@@ -125,17 +143,27 @@ inline void run_block() {
     for (size_t k = 0; k < waves; ++k) {
       const size_t w = e.reverse ? waves - 1 - k : k;
       for (;;) {
-        bool ran = false;
-        for (size_t j = 0; j < 64; ++j) {
-          Fiber& f = e.fibers[w * 64 + (e.reverse ? 63 - j : j)];
-          if (f.state != Fiber::kRunnable) continue;
-          e.current = &f;
-          swapcontext(&e.scheduler, &f.ctx);  // runs f up to its next barrier or its end
-          ran = true;
+        bool moved = false;
+        for (size_t k2 = 0; k2 < 2; ++k2) {
+          const size_t h = e.reverse ? 1 - k2 : k2;
+          for (;;) {  // this half as far as it goes
+            bool ran = false;
+            for (size_t j = 0; j < 32; ++j) {
+              Fiber& f = e.fibers[w * 64 + h * 32 + (e.reverse ? 31 - j : j)];
+              if (f.state != Fiber::kRunnable) continue;
+              e.current = &f;
+              swapcontext(&e.scheduler, &f.ctx);  // runs f up to its next barrier or its end
+              ran = true;
+            }
+            const bool released = release_warp_barrier(w, h);
+            moved = moved || ran || released;
+            if (!ran && !released) break;
+          }
         }
         const bool released = release_wave_barrier(w);
-        progress = progress || ran || released;
-        if (!ran && !released) break;
+        moved = moved || released;
+        progress = progress || moved;
+        if (!moved) break;
       }
       for (size_t l = 0; l < 64; ++l) all_done = all_done && e.fibers[w * 64 + l].state == Fiber::kDone;
     }
@@ -178,8 +206,9 @@ inline void launch(dim3 grid, dim3 block, std::function<void()> body) {
           Fiber& f = e.fibers[t];
           if (f.stack.size() < kStackBytes) f.stack.resize(kStackBytes);  // allocated once, reused by every block
           f.state = Fiber::kRunnable;
-          f.block_barriers = f.wave_calls = 0;
+          f.block_barriers = f.wave_calls = f.warp_calls = 0;
           f.lane_mask = 0;
+          f.bar_id = 0;
           f.linear = t;
           f.tid = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
           getcontext(&f.ctx);
@@ -205,6 +234,34 @@ inline void wave_barrier(int lane_mask) {
   f.lane_mask = lane_mask;
   f.state = Fiber::kWaveBarrier;
   yield();
+}
+
+// Two-warp mode: CUDA's barrier.sync id, count, as wave64.h uses it: the 64 threads of one wave, id 1 + wave.
+inline void named_barrier(unsigned id, unsigned count) {
+  Fiber& f = *emu().current;
+  if (count != 64 || id != f.linear / 64 + 1) fail("named barrier: expected id 1 + wave over 64 threads");
+  ++f.wave_calls;
+  f.bar_id = id;
+  f.lane_mask = 0;
+  f.state = Fiber::kWaveBarrier;
+  yield();
+}
+
+// Two-warp mode: __shfl_xor_sync(full mask, v, lane_mask) within a 32-lane warp.
+inline float warp_shfl_xor(float v, int lane_mask) {
+  Fiber& f = *emu().current;
+  if (lane_mask <= 0 || lane_mask >= 32) fail("warp shuffle: lane mask outside the 32-lane warp");
+  ++f.warp_calls;
+  const unsigned wave = f.linear / 64, lane = f.linear % 64;
+  auto& x = emu().exchange[wave];
+  x[lane] = v;
+  f.lane_mask = lane_mask;
+  f.state = Fiber::kWarpBarrier;
+  yield();
+  const float other = x[lane ^ static_cast<unsigned>(lane_mask & 31)];
+  f.state = Fiber::kWarpBarrier;  // the partner reads this lane's slot before it is reused
+  yield();
+  return other;
 }
 
 // AMD's semantics: lane l receives lane (l ^ lane_mask)'s value; every lane of the wave must take part.

@@ -84,7 +84,15 @@ __device__ __forceinline__ uint16_t float_to_half_bits(float f) {
 }
 
 // ---- 64-lane shuffle ----------------------------------------------------------------------------------
-#if MF_GPU_CUDA
+// MF_GPU_TWO_WARPS: a wave is two 32-lane warps (nvcc; or the CPU emulator's -DMF_GPU_EMULATE_TWO_WARPS,
+// which runs this same composition over emulated warp shuffles and named barriers).
+#if MF_GPU_CUDA || (MF_GPU_EMU && defined(MF_GPU_EMULATE_TWO_WARPS))
+#define MF_GPU_TWO_WARPS 1
+#else
+#define MF_GPU_TWO_WARPS 0
+#endif
+
+#if MF_GPU_TWO_WARPS
 
 // Named barriers 1..15 are free (0 is __syncthreads'): one per wave, so one wave never waits for another.
 constexpr int kMaxWavesPerBlock = 8;
@@ -95,21 +103,30 @@ __device__ __forceinline__ unsigned linear_thread_index() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 
+#if MF_GPU_CUDA
+__device__ __forceinline__ float warp_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+
 // Blocks until both warps of this wave arrive. barrier.sync (not bar.sync, which is .aligned) tolerates
 // lanes of one warp arriving at different times, so a wave that diverged before the call (a ragged loop
 // over columns) is still correct. The "memory" clobber keeps the shared-memory accesses on their side.
 __device__ __forceinline__ void wave_barrier(unsigned wave) {
   asm volatile("barrier.sync %0, %1;" ::"r"(wave + 1u), "r"(kWaveSize) : "memory");
 }
+#else
+__device__ __forceinline__ float warp_shfl_xor(float v, int lane_mask) { return mf_emu::warp_shfl_xor(v, lane_mask); }
+__device__ __forceinline__ void wave_barrier(unsigned wave) { mf_emu::named_barrier(wave + 1u, kWaveSize); }
+#endif
 
 #endif
 
 // The value of `v` held by lane (lane ^ lane_mask) of this wave, 0 < lane_mask < 64.
 __device__ __forceinline__ float wave_shfl_xor(float v, int lane_mask) {
-#if MF_GPU_CUDA
+#if MF_GPU_TWO_WARPS
   // Partners in the same warp: a hardware shuffle (lane ^ m stays in the warp when m < 32, and a wave's
   // lane l is lane l % 32 of its warp because waves start at multiples of 64).
-  if (lane_mask < 32) return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+  if (lane_mask < 32) return warp_shfl_xor(v, lane_mask);
   // Partner in the other warp: swap through shared memory. The second barrier keeps the next call's
   // store from overwriting a value the other warp has not read yet.
   __shared__ float exchange[kMaxWavesPerBlock][kWaveSize];

@@ -1,11 +1,13 @@
 """The csrc HIP kernel sources executed on the CPU emulator (csrc/common/cpu_emulation.h) vs float64.
 
 g++ compiles the unchanged *.hip files with -DMF_GPU_EMULATE; every GPU thread of a block runs as a fiber,
-one after the other between barriers. This executes the kernels' own indexing, masking, LDS tiling,
-barrier placement (run in increasing and in decreasing thread order, so a read not ordered after its
-write by a barrier goes stale in one of them), wave-64 xor reductions and fp16/bf16 conversions; the
-emulator reports a barrier or wave helper that not every thread reaches, or reaches divergently.
-It says nothing about code generation by hipcc/nvcc; tests/gpu/test_hip_kernels.py runs them on a GPU.
+one after the other between barriers. Twice: with AMD's 64-lane shuffle, and with the two-warp helpers
+that nvcc compiles (warp shuffles and a named-barrier swap, emulated). This executes the kernels' own
+indexing, masking, LDS tiling, barrier placement (run in increasing and in decreasing thread order, so a
+read not ordered after its write by a barrier goes stale in one of them), wave-64 xor reductions and
+fp16/bf16 conversions; the emulator reports a barrier or wave helper that not every thread reaches, or
+reaches divergently. It says nothing about code generation by hipcc/nvcc; tests/gpu/test_hip_kernels.py
+runs them on a GPU.
 
 Buffers sit between NaN guard zones: an out-of-bounds write changes a guard, an unmasked out-of-bounds
 read turns an output NaN; outputs start NaN, so an element never written fails too.
@@ -33,14 +35,17 @@ EPS = 1e-5
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
+# wave64: the AMD semantics (one 64-lane xor shuffle); two_warps: the helpers nvcc compiles (csrc/common/
+# wave64.h: 32-lane warp shuffles, and a shared-memory swap between named barriers for lane mask 32).
+@pytest.fixture(scope="module", params=["wave64", "two_warps"])
+def emu(request, tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler (g++) to build the CPU emulation of the csrc kernels")
-    lib = tmp_path_factory.mktemp("hip_emu") / "libmf_emu.so"
+    lib = tmp_path_factory.mktemp(f"hip_emu_{request.param}") / "libmf_emu.so"
+    mode = ["-DMF_GPU_EMULATE_TWO_WARPS"] if request.param == "two_warps" else []
     # -O1: the run time is dominated by fiber switches, not by the arithmetic.
-    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMF_GPU_EMULATE", "-Wall", "-Wextra",
+    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMF_GPU_EMULATE", *mode, "-Wall", "-Wextra",
            "-Wno-unknown-pragmas", "-Werror", "-x", "c++", *(os.path.join(REPO, s) for s in SOURCES), "-x", "none",
            os.path.join(REPO, "tests/unit/kernels/hip_emu_shim.cpp"), "-o", str(lib)]
     done = subprocess.run(cmd, capture_output=True, text=True)
