@@ -36,15 +36,18 @@ def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
         return None, 0, "the checkpoint was saved with --no-save-optim"
     p = meta["run"]["parallel"]
     nl, tp = meta["run"]["model"]["num_layers"], p["tensor_model_parallel_size"]
-    if meta.get("format") == hzero_ckpt.FORMAT:
-        _, per_tp, step = hzero_ckpt.merged_tp_states(ckpt_dir, meta, with_moments=True)
-        per_tp = [{canonical_name(k, nl): v for k, v in m.items()} for m in per_tp]
-    elif glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")) and p["zero_stage"] < 3:
-        per_tp, step = _zero12(ckpt_dir, tp, nl)
-    elif p["zero_stage"] == 0 and p["pipeline_model_parallel_size"] == 1:
-        per_tp, step = _zero0(ckpt_dir, tp, nl)
-    else:
-        return None, 0, f"ZeRO-{p['zero_stage']} files keep no per-parameter map of the Adam moments"
+    try:  # the weights are converted regardless: moments that cannot be read restart, and the tool says why
+        if meta.get("format") == hzero_ckpt.FORMAT:
+            _, per_tp, step = hzero_ckpt.merged_tp_states(ckpt_dir, meta, with_moments=True)
+            per_tp = [{canonical_name(k, nl): v for k, v in m.items()} for m in per_tp]
+        elif glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")) and p["zero_stage"] < 3:
+            per_tp, step = _zero12(ckpt_dir, tp, nl)
+        elif p["zero_stage"] == 0 and p["pipeline_model_parallel_size"] == 1:
+            per_tp, step = _zero0(ckpt_dir, tp, nl)
+        else:
+            return None, 0, f"ZeRO-{p['zero_stage']} files keep no per-parameter map of the Adam moments"
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        return None, 0, f"{type(e).__name__}: {str(e)[:200]}"
     if not per_tp or not per_tp[0]:
         return None, 0, "the optimizer had not stepped yet"
     table, vocab = meta.get("partition_table") or {}, meta["run"]["model"]["vocab_size"]
@@ -102,7 +105,9 @@ def _zero0(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
     for t in range(tp):
         model = safe_load(os.path.join(ckpt_dir, f"mp_rank_{t:02d}_model_states.pt"))
         opt, module = model.get("optimizer"), model["module"]
-        if not opt or "state" not in opt or not opt["state"]:
+        if not opt or "state" not in opt:
+            raise CheckpointError("the ZeRO-0 model file holds no torch AdamW state (bf16 keeps DeepSpeed's own)")
+        if not opt["state"]:
             return [], 0
         names = [n for n, v in module.items() if v.dim() > 1] + [n for n, v in module.items() if v.dim() == 1]
         mine: Moments = {}
@@ -137,13 +142,16 @@ def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int
         raise CheckpointError(f"{source} has no Adam moments for {missing[0]}: saved from a different model variant")
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)
-    if named and all(getattr(p, "_hp_mapping", None) is not None for _, p in named):  # ZeRO-1/2, bf16 optimizer
+    # ZeRO-1/2 and the bf16 optimizer link every parameter (_hp_mapping None: no slice of it in this DP partition).
+    if any(hasattr(p, "_hp_mapping") for _, p in named):
         for group in base.param_groups:
             flat = group["params"][0]
             base.state[flat] = {"step": torch.tensor(float(step)),
                                 **{k: torch.zeros_like(flat, dtype=torch.float32) for k in KEYS}}
         for name, p in named:
-            hp = p._hp_mapping
+            hp = getattr(p, "_hp_mapping", None)
+            if hp is None:
+                continue
             state = base.state[base.param_groups[hp.param_group_index]["params"][0]]
             for k in KEYS:
                 full = shard(name, p.shape, p, moments[name][k]).reshape(-1)

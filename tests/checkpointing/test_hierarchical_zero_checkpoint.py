@@ -1,6 +1,7 @@
 """Hierarchical ZeRO (--zero-hierarchy package,node,network) checkpoints on 4 gloo ranks (2 simulated nodes of 2):
 bit-exact resume in fp32 and in bf16 with the int8 network stage (its error-feedback residuals are saved), HF
-export of the saved shards, layout refusals, retention, and a kill -9 in the middle of a save."""
+export of the saved shards, resharding with Adam moments to another DP size, layout refusals, retention, and a
+kill -9 in the middle of a save."""
 
 import json
 import os
@@ -45,10 +46,12 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     from megatron.model.gpt_model import GPTModel
     from megatron.model.sizes import named_model
     from tools.convert_checkpoint_to_hf import main as to_hf
+    from tools.reshard_checkpoint import main as reshard
 
     save = str(tmp_path / "ckpt")
     # Vocab 256 needs no padding: HF sees the true vocabulary, so its loss equals ours only without padded rows.
-    args = BASE + NO_DROPOUT + HIER + _two_nodes(tmp_path) + ["--vocab-size", "256"]
+    one_node = BASE + NO_DROPOUT + HIER + ["--vocab-size", "256"]
+    args = one_node + _two_nodes(tmp_path)
     straight = pretrain_on(4, args + ["--save", save, "--save-interval", "10"])["losses"]
     with open(os.path.join(save, "latest"), "w") as f:
         f.write("global_step10")
@@ -75,6 +78,12 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     assert (theirs - mine).abs().max().item() < 1e-5
     hf_loss = torch.nn.functional.cross_entropy(theirs.reshape(-1, 256), tokens[:, 1:].reshape(-1)).item()
     assert abs(hf_loss - straight[11]) < 1e-5, (hf_loss, straight[11])
+
+    # The fix those refusals name: resharded (weights and Adam moments) to one rank, DP 4 -> 1, the run goes on with
+    # the straight run's losses (12 is the first update that reads the moments).
+    assert reshard(["--load", save, "--save", str(tmp_path / "full")]) == 0
+    one = pretrain_on(1, one_node + ["--load", str(tmp_path / "full"), "--exit-interval", "12"])["losses"]
+    assert list(one) == [11, 12] and all(abs(one[i] - straight[i]) < 1e-5 for i in (11, 12)), (one, straight)
 
     # A different DP size or tier layout is refused before any process group, naming the fix.
     def refused(**parallel) -> str:
