@@ -154,8 +154,16 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="exit every rank when one stops its heartbeat for this long (0 disables)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is a ConfigError like every other early error: one line, printed once per job, exit 2
+    (argparse's own exit prints the usage block on every rank)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see python pretrain_gpt.py --help)")
+
+
 def build_parser(extra=None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
+    p = _Parser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
     _parallel(p)
     _model(p)
     _training(p)

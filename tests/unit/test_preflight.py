@@ -94,6 +94,8 @@ def test_save_is_probed(tmp_path, monkeypatch, capsys):
     ("--weight-decay", "-0.01", "--weight-decay -0.01 must be >= 0"),
     ("--weight-decay", "nan", "--weight-decay nan must be >= 0"),
     ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
+    ("--zero-stage", "5", "argument --zero-stage: invalid choice: 5"),
+    ("--lr-typo", "1", "unrecognized arguments: --lr-typo 1"),
 ])
 def test_flag_values(flag, value, needle, monkeypatch, capsys):
     rc, err, out = run_until_process_group(with_flag(BASE, flag, value), monkeypatch, capsys)
