@@ -235,4 +235,4 @@ def set_full_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: 
     ranges = _primary_ranges(engine)
     engine.optimizer.state[engine.master] = {
         "step": torch.tensor(float(step)),
-        **{k: torch.cat([v[s:s + n] for s, n in ranges]).clone() for k, v in flat.items()}}
+        **{k: torch.cat([v[s:s + n] for s, n in ranges]).to(engine.master.device) for k, v in flat.items()}}
