@@ -224,12 +224,11 @@ def _pipeline_clip_hook(model: torch.nn.Module, pstate: ParallelState, max_norm:
     def hook(optimizer, args, kwargs) -> None:
         # The tied copy of the word embeddings on the last stage (ds_pipe_replicated) is counted once.
         params = [p for p in model.parameters() if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
-        norm = grad_norm(params, pstate)
+        norm = grad_norm(params, pstate)  # on the device: the clip below needs no host sync
         optimizer.megatron_grad_norm = norm
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).reshape(())
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))  # x1.0 when within max_norm: exact
 
     return hook

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import comm
 from megatron.errors import TrainingError
+from megatron.training.step import StepResult
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -52,14 +53,33 @@ class RunControl:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def after_iteration(self, it: int, loss: float) -> Decision:
-        """Collective over all ranks. Raises TrainingError after ``max_nonfinite`` consecutive iterations
-        whose loss is NaN/Inf on any rank; never asks to save while the latest loss is non-finite."""
+    def after_iteration(self, it: int, loss: float | torch.Tensor | StepResult) -> Decision:
+        """Collective over all ranks: ``decide(it, exchange(loss))``."""
+        return self.decide(it, self.exchange(loss))
+
+    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool]:
+        """Collective: (signal, timed out, non-finite loss) on any rank, one small MAX all-reduce.
+
+        ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
+        its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
         timed_out = self.exit_duration_s is not None and time.monotonic() - self.start > self.exit_duration_s
-        flags = torch.tensor([float(self.signal_received is not None), float(timed_out),
-                              float(not math.isfinite(loss))], dtype=torch.float64)
-        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        got_signal, timed_out, nonfinite = (bool(v) for v in flags.tolist())
+        res = loss if isinstance(loss, StepResult) else None
+        value = res.loss_value if res is not None else loss
+        if isinstance(value, torch.Tensor):
+            bad = (~torch.isfinite(value)).reshape(1)  # tested where the loss is: no sync
+        else:
+            bad = float(not math.isfinite(value))
+        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad],
+                               op=torch.distributed.ReduceOp.MAX, also=res.pending() if res is not None else ())
+        if res is not None:
+            res.resolve(got[3:])
+        return bool(got[0]), bool(got[1]), bool(got[2])
+
+    def decide(self, it: int, flags: tuple[bool, bool, bool]) -> Decision:
+        """What every rank does after iteration ``it``, given ``exchange``'s agreed flags. Raises TrainingError
+        after ``max_nonfinite`` consecutive iterations whose loss is NaN/Inf on any rank; never asks to save
+        while the latest loss is non-finite."""
+        got_signal, timed_out, nonfinite = flags
         if nonfinite:
             self.nonfinite_run += 1
             if self.nonfinite_run >= self.max_nonfinite:

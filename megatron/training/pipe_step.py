@@ -37,12 +37,11 @@ def pipe_train_step(engine, data_iterator: Iterator[tuple]) -> StepResult:
     """
     lr = engine.get_lr()[0]
     engine.train_batch(data_iter=data_iterator)
-    loss = float(engine.dp_group_loss.item())
+    # Kept on the device (a copy: the engine reuses its buffer); StepResult reads both in one host sync.
+    loss = engine.dp_group_loss.detach().float().clone()
     norm = engine.get_global_grad_norm()
     if norm is None:
         norm = getattr(engine.optimizer, "megatron_grad_norm", None)
-    if isinstance(norm, torch.Tensor):
-        norm = norm.item()
     opt = engine.optimizer
     skipped = bool(getattr(opt, "overflow", False))
     scale = getattr(opt, "cur_scale", None) if engine.fp16_enabled() else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,12 +12,40 @@ from megatron.core import comm
 
 @dataclass
 class StepResult:
-    loss: float
+    """One iteration's outcome. ``loss_value`` / ``norm_value`` may be tensors still on the device: the step
+    itself never waits for the device. They become host floats in one read-back, either RunControl.exchange's
+    (together with the stop flags) or, on first access of ``loss`` / ``grad_norm``, this object's own."""
+
+    loss_value: torch.Tensor | float
     """Mean lm loss over this rank's micro-batches (not yet averaged over DP)."""
-    grad_norm: float | None
+    norm_value: torch.Tensor | float | None
     skipped: bool
     lr: float
     loss_scale: float | None
+    _host: list | None = field(default=None, repr=False)
+
+    def pending(self) -> list[torch.Tensor]:
+        """The values still on the device, in (loss, norm) order."""
+        return [v for v in (self.loss_value, self.norm_value) if isinstance(v, torch.Tensor)]
+
+    def resolve(self, read: list) -> None:
+        """Host copies of ``pending()``, in its order."""
+        it = iter(read)
+        self._host = [float(next(it)) if isinstance(v, torch.Tensor) else v
+                      for v in (self.loss_value, self.norm_value)]
+
+    def _values(self) -> list:
+        if self._host is None:
+            self.resolve(comm.to_host(*self.pending()))
+        return self._host
+
+    @property
+    def loss(self) -> float:
+        return self._values()[0]
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self._values()[1]
 
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -38,7 +66,7 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
     each loss by 1/num_microbatches and averages gradients over DP, so the update is that of the
     mean loss over the global batch."""
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
-    total, norm = 0.0, None
+    total, norm = None, None
     for i in range(num_microbatches):
         batch = next(data_iterator)
         loss = forward_step(engine, batch)
@@ -47,25 +75,29 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
             # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
             norm = grad_norm(engine.module.parameters(), engine.mpu)
         engine.step()
-        total += loss.detach().float().item()
+        # Summed on the device in micro-batch order: no host sync per micro-batch.
+        total = loss.detach().float() if total is None else total + loss.detach().float()
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
-    if isinstance(norm, torch.Tensor):
-        norm = norm.item()
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
     return StepResult(total / num_microbatches, norm, skipped, lr, scale)
 
 
-def grad_norm(params, pstate) -> float:
+def grad_norm(params, pstate) -> torch.Tensor:
     """Global L2 norm of the model's gradients: TP-sharded parameters count on every TP rank,
-    replicated ones once (TP rank 0), summed over the TP x PP ranks of one model replica."""
-    sq = torch.zeros(1, dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and (pstate.tp.rank == 0 or getattr(p, "tensor_model_parallel", False)):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
-    if pstate.mp.size > 1:
-        comm.all_reduce(sq, pstate.mp.group)
-    return sq.sqrt().item()
+    replicated ones once (TP rank 0), summed over the TP x PP ranks of one model replica.
+
+    Returns a one-element float64 tensor where the gradients live: no host sync here (the log reads it)."""
+    grads = [p.grad.detach() for p in params
+             if p.grad is not None and (pstate.tp.rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    reduce = pstate.mp.size > 1
+    device = grads[0].device if grads else (comm.collective_device(pstate.mp.group) if reduce else "cpu")
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:  # float64 partial sums in parameter order, as before: the same bits on CPU
+        sq += g.double().pow(2).sum()
+    if reduce:
+        sq = comm.all_reduce(sq.to(comm.collective_device(pstate.mp.group)), pstate.mp.group)
+    return sq.sqrt()
 
 
 def _plain_fp32(engine) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from megatron.core.hierarchical_zero.config import (
     SECTION,
@@ -53,5 +54,8 @@ def create_engine(model: torch.nn.Module, run, pstate, hcfg: HierarchyConfig, op
     hierarchy = build_hierarchy(pstate.all_groups["dp"], pstate.world_size, pstate.global_rank, hcfg.levels,
                                 ranks_per_node(hcfg))
     dtype = torch.bfloat16 if run.precision.bf16 else torch.float32
+    # DeepSpeed moves a model to the accelerator itself; this engine is ours, so do it here (the norm weights
+    # are built on the host), before its buffers are allocated where the parameters live.
+    model.to(get_accelerator().current_device_name())
     return HierarchicalZeroEngine(model, hcfg, hierarchy, pstate, optimizer_factory, scheduler_factory,
                                   run.training.grad_accumulation_steps(p.dp), run.optimizer.clip_grad, dtype)

@@ -102,7 +102,11 @@ class HierarchicalZeroEngine:
         self.module, self.mpu, self.cfg, self.h = model, pstate, hcfg, hierarchy
         self.gas, self.clip_grad, self.dtype = grad_accumulation_steps, clip_grad, dtype
         self.skipped_steps, self.micro_steps, self.global_steps = 0, 0, 0
-        self._norm: float | None = None
+        self._norm: torch.Tensor | None = None
+        # Every buffer lives where the model does (the accelerator on a GPU run): NCCL/RCCL collectives need
+        # device tensors, and the gathered weights feed the module directly.
+        self.device = next(model.parameters()).device
+        dev = self.device
         self.intra = [lv for lv in hierarchy.levels if lv.name != "network"]  # per micro-batch levels
         self.net = [lv for lv in hierarchy.levels if lv.name == "network"]
         self.weight_levels = hierarchy.upto(hcfg.weights)  # gathered around every module call
@@ -115,9 +119,9 @@ class HierarchicalZeroEngine:
             self.buckets.append(_Bucket(ps, offset, padded))
             offset += padded
         self.padded = offset
-        flat = torch.zeros(offset, dtype=torch.float32)  # [N_pad] initial weights, fp32
-        decay = torch.zeros(offset, dtype=torch.bool)  # Megatron's split: no weight decay on 1-D tensors
-        counted = torch.zeros(offset, dtype=torch.bool)  # TP-sharded on every TP rank, replicated on TP rank 0
+        flat = torch.zeros(offset, dtype=torch.float32, device=dev)  # [N_pad] initial weights, fp32
+        decay = torch.zeros(offset, dtype=torch.bool, device=dev)  # Megatron's split: no weight decay on 1-D tensors
+        counted = torch.zeros(offset, dtype=torch.bool, device=dev)  # TP-sharded on every TP rank, replicated on TP 0
         for b in self.buckets:
             off = b.offset
             for p in b.params:
@@ -131,15 +135,15 @@ class HierarchicalZeroEngine:
             count, idx = hierarchy.shard_count(levels), hierarchy.shard_index(levels)
             return [(b, b.offset + idx * (b.padded // count), b.padded // count) for b in self.buckets]
 
-        gidx = torch.cat([torch.arange(s, s + n) for _, s, n in pieces(hierarchy.levels)])  # primary -> flat
+        gidx = torch.cat([torch.arange(s, s + n, device=dev) for _, s, n in pieces(hierarchy.levels)])  # -> flat
         self.primary_sizes = [n for _, _, n in pieces(hierarchy.levels)]
         self.decay_mask, self.counted = decay[gidx], counted[gidx]
         for b, s, n in pieces(self.weight_levels):
             b.secondary = flat[s:s + n].to(dtype)  # [bucket / ranks sharing the weights]
         for b, _, n in pieces(self.intra):
-            b.acc = torch.zeros(n, dtype=torch.float32)  # [bucket / DP ranks per node]
+            b.acc = torch.zeros(n, dtype=torch.float32, device=dev)  # [bucket / DP ranks per node]
         acc_total = sum(b.acc.numel() for b in self.buckets)
-        self.residual = torch.zeros(acc_total) if hcfg.int8 and self.net else None
+        self.residual = torch.zeros(acc_total, device=dev) if hcfg.int8 and self.net else None
         self.master = nn.Parameter(flat[gidx].clone())  # [N_pad / DP] fp32
         if dtype != torch.float32:
             model.to(dtype)  # after the fp32 master copy was taken from the fp32 initial weights
@@ -174,7 +178,7 @@ class HierarchicalZeroEngine:
 
     def _release(self, b: _Bucket) -> None:
         for p in b.params:
-            p.data = torch.empty(0, dtype=self.dtype)  # autograd's saved references see the re-gathered data
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)  # autograd's saved refs see re-gathers
         b.gathered = False
 
     def _refresh_secondary(self) -> None:
@@ -199,7 +203,7 @@ class HierarchicalZeroEngine:
             self._release(b)
 
     def _reduce(self, b: _Bucket) -> None:
-        grads = torch.zeros(b.padded, dtype=self.dtype)  # [bucket padded]
+        grads = torch.zeros(b.padded, dtype=self.dtype, device=self.device)  # [bucket padded]
         off = 0
         for p, shape in zip(b.params, b.shapes, strict=True):
             if p.grad is not None:
@@ -262,24 +266,24 @@ class HierarchicalZeroEngine:
         self._refresh_secondary()
         self.global_steps += 1
 
-    def _clip(self, grad: torch.Tensor) -> float:
-        """Global L2 norm over DP shards and TP ranks (each weight once); scales ``grad`` in place if too big."""
+    def _clip(self, grad: torch.Tensor) -> torch.Tensor:
+        """Global L2 norm over DP shards and TP ranks (each weight once); scales ``grad`` in place if too big.
+        All on the device: the norm [1] (float64) stays there until the log reads it."""
         sq = grad.double().pow(2).mul(self.counted).sum().reshape(1)
         if self.h.dp_size > 1:
-            comm.all_reduce(sq, self.mpu.dp.group)
+            sq = comm.all_reduce(sq.to(comm.collective_device(self.mpu.dp.group)), self.mpu.dp.group)
         if self.mpu.mp.size > 1:
-            comm.all_reduce(sq, self.mpu.mp.group)
-        norm = sq.sqrt().item()
+            sq = comm.all_reduce(sq.to(comm.collective_device(self.mpu.mp.group)), self.mpu.mp.group)
+        norm = sq.sqrt().to(grad.device)
         if self.clip_grad > 0:
-            coef = self.clip_grad / (norm + 1e-6)
-            if coef < 1.0:
-                grad.mul_(coef)
+            # x1.0 (exact) when within clip_grad; the factor rounds to fp32 as a Python float did before.
+            grad.mul_((self.clip_grad / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype).reshape(()))
         return norm
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> torch.Tensor | None:
         return self._norm
 
     def zero_optimization(self) -> bool:
