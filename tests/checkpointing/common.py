@@ -24,3 +24,17 @@ def _pretrain(argv: list[str]) -> dict:
 def pretrain_on(world: int, argv: list[str], timeout: float = 240.0) -> dict:
     """Rank 0's summary of one pretrain run on ``world`` fresh processes."""
     return run_distributed(_pretrain, world, timeout=timeout, argv=argv)[0]
+
+
+def check_resume_exact(world: int, args: list[str], save_dir: str, n: int = 2) -> dict[int, float]:
+    """2n straight iterations == n, save and exit (--exit-interval), resume n, bit for bit, on ``world`` fresh
+    ranks. Shared by the CPU suite and tests/gpu (same code path, the device's backend). Returns the straight
+    run's losses."""
+    args = args + ["--train-iters", str(2 * n)]
+    straight = pretrain_on(world, args)["losses"]
+    first = pretrain_on(world, args + ["--exit-interval", str(n), "--save", save_dir])
+    assert first["exit_reason"] == f"--exit-interval {n}" and list(first["losses"]) == list(range(1, n + 1)), first
+    resumed = pretrain_on(world, args + ["--save", save_dir, "--load", save_dir])["losses"]
+    assert resumed == {i: straight[i] for i in range(n + 1, 2 * n + 1)}, (resumed, straight)
+    assert len(set(straight.values())) == 2 * n, straight  # the loss moves: equality is not trivial
+    return straight

@@ -29,7 +29,9 @@ sys.exit(run_cli(pretrain_gpt.main, sys.argv[1:]))
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    # Prepended, not replaced: an offline GPU image finds deepspeed on PYTHONPATH (tests/gpu/run.sh).
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         env.pop(k, None)
     env["MASTER_PORT"] = str(free_port())  # other runs on this host may hold the default 29500

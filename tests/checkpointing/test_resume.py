@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, LLAMA, pretrain_on
+from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 ITERS = ["--train-iters", "4"]
@@ -102,3 +102,10 @@ def test_pp2_tp2_llama_resume_export_and_reshard(tmp_path):
     # The same resume with the moments restarted (--no-load-optim) misses iteration 4: the check can fail.
     fresh = pretrain_on(1, args + ["--load", str(tmp_path / "full"), "--no-load-optim"])["losses"]
     assert abs(fresh[3] - resumed[3]) < 1e-5 and abs(fresh[4] - resumed[4]) > 1e-4, (fresh, resumed)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_zero1_resume_exact(tmp_path):
+    """bf16 (DeepSpeed's bf16 ZeRO-1 optimizer: fp32 master weights and moments in the checkpoint) with dropout
+    on, one process; tests/gpu runs the same check on a GPU."""
+    check_resume_exact(1, BASE + ["--bf16", "--zero-stage", "1"], str(tmp_path))

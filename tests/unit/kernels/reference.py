@@ -34,7 +34,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     v = v.repeat_interleave(group, dim=1)
     s = q @ k.transpose(-1, -2) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
@@ -42,10 +42,79 @@ def layer_norm_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps
                    rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd) in float64."""
     x = x.double()
-    mean = torch.zeros(x.shape[:-1], dtype=torch.float64) if rms else x.mean(-1)
+    mean = torch.zeros(x.shape[:-1], dtype=torch.float64, device=x.device) if rms else x.mean(-1)
     xc = x - mean[..., None]
     rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
     y = xc * rstd[..., None] * w.double()
     if b is not None:
         y = y + b.double()
     return y, mean, rstd
+
+
+# ---- One check per kernel, run by the CPU interpreter tests (tests/unit/kernels) and the GPU suite (tests/gpu) ----
+
+
+def attention_inputs(b, nq, nkv, s, d, dtype, seed, device="cpu"):
+    """q [b, nq, s, d], k, v [b, nkv, s, d], dO like q: drawn on the host, so every device sees the same values."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, s, d, generator=g).to(dtype)
+    k = torch.randn(b, nkv, s, d, generator=g).to(dtype)
+    v = torch.randn(b, nkv, s, d, generator=g).to(dtype)
+    do = torch.randn(b, nq, s, d, generator=g).to(dtype)
+    return tuple(t.to(device) for t in (q, k, v, do))
+
+
+def check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed, device="cpu") -> None:
+    """Forward (o, lse) and backward (dq, dk, dv) of ``ta`` (megatron.kernels.triton_attention, its _alloc
+    poisoned with nan_alloc) against the float64 reference, within TOL[dtype]."""
+    import math
+
+    q, k, v, do = attention_inputs(b, nq, nkv, s, d, dtype, seed, device)
+    scale = 1.0 / math.sqrt(d)
+    o, lse = ta.attention_forward(q, k, v, causal, scale)
+    dq, dk, dv = ta.attention_backward(do, q, k, v, o, lse, causal, scale)
+    for t in (o, lse, dq, dk, dv):
+        assert not t.isnan().any(), "an output element was never written (still NaN poison)"
+    assert o.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = attention_ref(q64, k64, v64, causal, scale)
+    o_ref.backward(do.double())
+    tol = TOL[dtype]
+    assert rel_err(o, o_ref) <= tol
+    assert rel_err(lse, lse_ref) <= 1e-5  # fp32 statistics whatever the input dtype
+    floor = 0.1 * do.double().pow(2).mean().sqrt().item()  # see rel_err: a tenth of dO's RMS
+    assert rel_err(dq, q64.grad, floor) <= tol
+    assert rel_err(dk, k64.grad, floor) <= tol
+    assert rel_err(dv, v64.grad, floor) <= tol
+
+
+def check_norm(tn, shape, rms, bias, dtype, eps, device="cpu") -> None:
+    """norm_forward / norm_backward of ``tn`` (megatron.kernels.triton_norms, _alloc poisoned) against float64."""
+    g = torch.Generator().manual_seed(sum(shape))
+    cols = shape[-1]
+    # An offset mean (5) next to unit spread: catches a variance computed as E[x^2] - E[x]^2.
+    x = (torch.randn(shape, generator=g) * 2 + 5).to(dtype).to(device)
+    w = (1 + 0.5 * torch.randn(cols, generator=g)).to(dtype).to(device)
+    b = torch.randn(cols, generator=g).to(dtype).to(device) if bias else None
+    dy = torch.randn(shape, generator=g).to(dtype).to(device)
+
+    y, mean, rstd = tn.norm_forward(x, w, b, eps, rms)
+    dx, dw, db = tn.norm_backward(dy, x, w, mean, rstd, bias, rms)
+    for t in (y, mean, rstd, dx, dw) + ((db,) if bias else ()):
+        assert not t.isnan().any(), "an output element was never written (still NaN poison)"
+    assert y.shape == x.shape and dx.shape == x.shape and y.dtype == dx.dtype == dw.dtype == dtype
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if bias else None
+    y_ref, mean_ref, rstd_ref = layer_norm_ref(x64, w64, b64, eps, rms)
+    y_ref.backward(dy.double())
+    tol = TOL[dtype]
+    assert rel_err(y, y_ref) <= tol
+    assert rel_err(rstd, rstd_ref.detach().reshape(-1)) <= 1e-5  # fp32 statistics for every dtype
+    if not rms:
+        assert rel_err(mean, mean_ref.detach().reshape(-1)) <= 1e-5
+    assert rel_err(dx, x64.grad) <= tol
+    assert rel_err(dw, w64.grad) <= tol
+    if bias:
+        assert rel_err(db, b64.grad) <= tol

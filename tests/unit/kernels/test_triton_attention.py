@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.unit.kernels.reference import TOL, attention_ref, nan_alloc, rel_err
+from tests.unit.kernels.reference import attention_inputs, attention_ref, check_attention, nan_alloc, rel_err
 
 
 @pytest.fixture
@@ -40,35 +40,12 @@ CASES = [
 
 
 def _inputs(b, nq, nkv, s, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, nq, s, d, generator=g).to(dtype)
-    k = torch.randn(b, nkv, s, d, generator=g).to(dtype)
-    v = torch.randn(b, nkv, s, d, generator=g).to(dtype)
-    do = torch.randn(b, nq, s, d, generator=g).to(dtype)
-    return q, k, v, do
+    return attention_inputs(b, nq, nkv, s, d, dtype, seed)
 
 
 @pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", CASES)
 def test_forward_backward_match_float64(ta, b, nq, nkv, s, d, causal, dtype):
-    q, k, v, do = _inputs(b, nq, nkv, s, d, dtype, seed=s * 131 + d)
-    scale = 1.0 / math.sqrt(d)
-
-    o, lse = ta.attention_forward(q, k, v, causal, scale)
-    dq, dk, dv = ta.attention_backward(do, q, k, v, o, lse, causal, scale)
-    for t in (o, lse, dq, dk, dv):
-        assert not t.isnan().any(), "an output element was never written (still NaN poison)"
-    assert o.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = attention_ref(q64, k64, v64, causal, scale)
-    o_ref.backward(do.double())
-    tol = TOL[dtype]
-    assert rel_err(o, o_ref) <= tol
-    assert rel_err(lse, lse_ref) <= 1e-5  # fp32 statistics whatever the input dtype
-    floor = 0.1 * do.double().pow(2).mean().sqrt().item()  # see rel_err: a tenth of dO's RMS
-    assert rel_err(dq, q64.grad, floor) <= tol
-    assert rel_err(dk, k64.grad, floor) <= tol
-    assert rel_err(dv, v64.grad, floor) <= tol
+    check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d)  # shared with tests/gpu
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from tests.unit.kernels.reference import TOL, layer_norm_ref, nan_alloc, rel_err
+from tests.unit.kernels.reference import check_norm, layer_norm_ref, nan_alloc, rel_err
 
 EPS = 1e-5
 
@@ -32,33 +32,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,rms,bias", CASES)
 def test_forward_backward_match_float64(tn, shape, rms, bias, dtype):
-    g = torch.Generator().manual_seed(sum(shape))
-    cols = shape[-1]
-    # An offset mean (5) next to unit spread: catches a variance computed as E[x^2] - E[x]^2.
-    x = (torch.randn(shape, generator=g) * 2 + 5).to(dtype)
-    w = (1 + 0.5 * torch.randn(cols, generator=g)).to(dtype)
-    b = torch.randn(cols, generator=g).to(dtype) if bias else None
-    dy = torch.randn(shape, generator=g).to(dtype)
-
-    y, mean, rstd = tn.norm_forward(x, w, b, EPS, rms)
-    dx, dw, db = tn.norm_backward(dy, x, w, mean, rstd, bias, rms)
-    for t in (y, mean, rstd, dx, dw) + ((db,) if bias else ()):
-        assert not t.isnan().any(), "an output element was never written (still NaN poison)"
-    assert y.shape == x.shape and dx.shape == x.shape and y.dtype == dx.dtype == dw.dtype == dtype
-
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    b64 = b.detach().double().requires_grad_() if bias else None
-    y_ref, mean_ref, rstd_ref = layer_norm_ref(x64, w64, b64, EPS, rms)
-    y_ref.backward(dy.double())
-    tol = TOL[dtype]
-    assert rel_err(y, y_ref) <= tol
-    assert rel_err(rstd, rstd_ref.detach().reshape(-1)) <= 1e-5  # fp32 statistics for every dtype
-    if not rms:
-        assert rel_err(mean, mean_ref.detach().reshape(-1)) <= 1e-5
-    assert rel_err(dx, x64.grad) <= tol
-    assert rel_err(dw, w64.grad) <= tol
-    if bias:
-        assert rel_err(db, b64.grad) <= tol
+    check_norm(tn, shape, rms, bias, dtype, EPS)  # shared with tests/gpu
 
 
 def test_autograd_functions(tn):

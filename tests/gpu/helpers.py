@@ -1,0 +1,70 @@
+"""What the GPU tests share: the CPU tests' argument lists made device-neutral, and loss comparisons.
+
+The GPU tests start pretrain_gpt.py through the CPU tests' own launchers (tests/functional/cli.py for
+subprocesses, tests/checkpointing/common.py for spawned ranks), so the code path is the one the CPU suite checks;
+only the process-group backend (the accelerator's own: NCCL/RCCL) and the kernel choice differ. The pure logic
+here is checked on CPU by tests/unit/test_gpu_suite_helpers.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from tests.functional.cli import TINY, losses, run_pretrain
+from tests.launcher import free_port
+
+# Measuring kernels picks the fastest backend per run from timings: two runs could pick different kernels and
+# differ in the last bits. Comparisons pin the fixed preference; the default-backend test measures on purpose.
+STATIC_KERNELS = {"MEGATRON_KERNEL_SELECT": "static"}
+BF16_REL = 3e-2
+"""Relative loss tolerance between a bf16/fp16 run and its reference after ITERS steps (8-bit mantissa)."""
+ITERS = 30
+# TINY at lr 1e-3 moves the loss by 1% in 10 steps; at 5e-3 over 30 steps it falls 6.26 -> 5.47 (fp32, CPU),
+# smoothly (2e-2 overshoots first), so "it learned" and "it agrees" are both meaningful.
+SCHEDULE = ["--lr", "5e-3", "--train-iters", str(ITERS)]
+
+
+def device_args(args: list[str]) -> list[str]:
+    """``args`` without ``--distributed-backend gloo``: on a GPU the backend is the accelerator's (NCCL/RCCL)."""
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == "--distributed-backend" and i + 1 < len(args) and args[i + 1] == "gloo":
+            skip = True
+            continue
+        if a == "--distributed-backend=gloo":
+            continue
+        out.append(a)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _run(nproc: int, args: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> dict[int, float]:
+    env = dict(env)
+    if nproc == 1:  # torchrun picks its own port; a plain process takes MASTER_PORT (never a fixed default)
+        env["MASTER_PORT"] = str(free_port())
+    proc = run_pretrain(nproc, list(args), timeout=600, env=env)
+    return losses(proc.stdout)
+
+
+def train(extra: list[str], nproc: int = 1, env: dict | None = None) -> dict[int, float]:
+    """iteration -> logged lm loss of pretrain_gpt.py on the TINY model for ITERS steps (cached per flag set).
+    On CPU this gives the same numbers as on a GPU up to rounding (used to choose SCHEDULE and tolerances)."""
+    env = dict(STATIC_KERNELS, **(env or {}))
+    return _run(nproc, tuple(device_args(TINY) + SCHEDULE + extra), tuple(sorted(env.items())))
+
+
+def assert_trains_like(got: dict[int, float], ref: dict[int, float], rel: float, name: str, at: int = ITERS) -> None:
+    """``got`` logged every iteration up to ``at``, learned (its loss fell by 5%), and is within ``rel`` of ``ref``
+    at iteration ``at``; the reference must have learned too, or agreement would prove little."""
+    for losses_, who in ((got, name), (ref, "reference")):
+        assert sorted(losses_) == list(range(1, at + 1)), f"{who}: logged iterations {sorted(losses_)}"
+        assert losses_[at] < 0.95 * losses_[1], f"{who} did not learn: {losses_}"
+    assert abs(got[at] - ref[at]) <= rel * abs(ref[at]), f"{name}: loss {got[at]} vs reference {ref[at]} at {at}"
+
+
+def gpu_env() -> dict:
+    return dict(os.environ, **STATIC_KERNELS)

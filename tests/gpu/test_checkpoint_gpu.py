@@ -1,0 +1,60 @@
+"""Checkpoints on one GPU, through the CPU suite's own checks: bf16 exact resume (check_resume_exact, which
+tests/checkpointing/test_resume.py runs on CPU), HF export logits vs ours, and SIGTERM saves and exits 0
+(tests/checkpointing/test_exits.py's test, unchanged)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on
+from tests.checkpointing.test_exits import test_signal_saves_exits_zero_and_resumes as signal_test
+from tests.checkpointing.test_resume import _batch
+from tests.gpu.helpers import BF16_REL, STATIC_KERNELS, device_args
+
+GPU_BASE = device_args(BASE)
+
+
+@pytest.fixture(autouse=True)
+def _static_kernels(monkeypatch):
+    """Spawned ranks inherit the environment: one fixed kernel choice for the straight and the resumed run."""
+    for k, v in STATIC_KERNELS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS picks the same reduction order every run
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_bf16_resume_exact(tmp_path, zero):
+    check_resume_exact(1, GPU_BASE + ["--bf16", "--zero-stage", str(zero)], str(tmp_path))
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("bf16", BF16_REL)])
+def test_hf_export_logits_match_ours(tmp_path, precision, tol):
+    """Train 2 iterations (Llama variant), export to HF, and the HF model's loss on iteration 3's batch equals the
+    loss our run logged at iteration 3 (the same weights), within the dtype's tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.convert_checkpoint_to_hf import main as to_hf
+
+    save = str(tmp_path / "ckpt")
+    flags = ["--bf16"] if precision == "bf16" else []
+    args = GPU_BASE + LLAMA + flags + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1",
+                                       "--vocab-size", "256", "--train-iters", "3", "--save", save,
+                                       "--save-interval", "2"]
+    straight = pretrain_on(1, args)["losses"]
+    with open(f"{save}/latest", "w") as f:
+        f.write("global_step2")
+    assert to_hf(["--load", save, "--tag", "global_step2", "--out", str(tmp_path / "hf")]) == 0
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=dtype).eval().to("cuda")
+    tokens = _batch(3, vocab=256).to("cuda")
+    with torch.no_grad():
+        logits = hf(tokens[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
+    assert abs(loss - straight[3]) <= tol * abs(straight[3]), (loss, straight[3])
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    signal_test(tmp_path, signal.SIGTERM)

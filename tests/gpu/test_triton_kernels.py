@@ -1,0 +1,100 @@
+"""The Triton kernels compiled for the GPU (real tile sizes, autotuned) vs the float64 reference.
+
+Same checks as the interpreter tests in tests/unit/kernels (tests/unit/kernels/reference.py: check_attention and
+check_norm run there on CPU under TRITON_INTERPRET=1), here on the device: the interpreter tests' shapes plus
+sequences up to 4096, head dim 64/128, fp32/bf16/fp16, forward and backward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from tests.unit.kernels.reference import check_attention, check_norm, nan_alloc
+from tests.unit.kernels.test_triton_attention import CASES as INTERPRETER_ATTENTION_CASES
+from tests.unit.kernels.test_triton_norms import CASES as INTERPRETER_NORM_CASES
+from tests.unit.kernels.test_triton_norms import EPS
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _device() -> str:
+    return torch.device("cuda", torch.cuda.current_device()).type
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The kernel modules compiled for the device: TRITON_INTERPRET must be off when they are imported."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 is set: the GPU suite must compile the kernels for the device")
+    return (importlib.import_module("megatron.kernels.triton_attention"),
+            importlib.import_module("megatron.kernels.triton_norms"))
+
+
+@pytest.fixture
+def ta(compiled, monkeypatch):
+    monkeypatch.setattr(compiled[0], "_alloc", nan_alloc)
+    return compiled[0]
+
+
+@pytest.fixture
+def tn(compiled, monkeypatch):
+    monkeypatch.setattr(compiled[1], "_alloc", nan_alloc)
+    return compiled[1]
+
+
+def _gpu_attention_cases() -> list[tuple]:
+    """(b, nq, nkv, s, d, causal, dtype): GPU tile sizes are 64-128 rows, so lengths around and across them."""
+    cases = []
+    for s in (127, 1000, 2048, 4096):
+        for d in (64, 128):
+            for dtype in DTYPES:
+                b, nq, nkv = (1, 2, 1) if s >= 2048 else (2, 4, 2)  # GQA 2:1 / 4:2; float64 scores stay small
+                cases += [(b, nq, nkv, s, d, True, dtype), (b, nq, nkv, s, d, False, dtype)]
+    return cases
+
+
+@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", INTERPRETER_ATTENTION_CASES + _gpu_attention_cases())
+def test_attention_matches_float64(ta, b, nq, nkv, s, d, causal, dtype):
+    check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d, device=_device())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,rms,bias", INTERPRETER_NORM_CASES + [
+    ((4096, 2048), False, True),   # GPT-2-like rows
+    ((2, 2048, 4096), True, False),  # Llama-7B hidden
+    ((1024, 6144), False, True),   # GPT-22B hidden: wide row path on some devices
+    ((257, 12288), True, False),   # GPT-175B hidden: the column-split backward
+])
+def test_norms_match_float64(tn, shape, rms, bias, dtype):
+    reason = tn.unsupported_reason(torch.empty(0, shape[-1], dtype=dtype), torch.empty(shape[-1], dtype=dtype),
+                                   torch.empty(shape[-1], dtype=dtype) if bias else None)
+    if reason is not None:
+        pytest.skip(f"the Triton norm does not take these inputs ({reason}); the torch path runs them")
+    check_norm(tn, shape, rms, bias, dtype, EPS, device=_device())
+
+
+def test_seam_runs_triton_and_matches_torch():
+    """Through the kernel seam as the model calls it: the triton backend (which must be available on a GPU, or
+    the comparison would be torch against torch) equals the torch path within bf16 tolerance, forward and
+    backward, causal GQA."""
+    from megatron.kernels import select
+    from megatron.kernels.attention import dot_product_attention
+
+    dev = torch.device(_device(), torch.cuda.current_device())
+    ok, why = select.available("triton", "attention", dev)
+    assert ok, f"the Triton attention is not available on this GPU: {why}"
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(shape, generator=g).to(torch.bfloat16).to(dev)
+                   for shape in ((2, 8, 512, 64), (2, 4, 512, 64), (2, 4, 512, 64), (2, 8, 512, 64)))
+    outs = {}
+    for backend in ("triton", "torch"):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        o = dot_product_attention(q_, k_, v_, causal=True, backend=backend)
+        o.backward(do)
+        outs[backend] = [o.detach().double(), q_.grad.double(), k_.grad.double(), v_.grad.double()]
+    for got, ref in zip(outs["triton"], outs["torch"], strict=True):
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2
