@@ -7,6 +7,7 @@ from torch import nn
 
 from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel import sequence_parallel_param
+from megatron.core.tensor_parallel.layers import init_device
 from megatron.kernels import norms as norm_ops
 
 
@@ -20,8 +21,9 @@ class Norm(nn.Module):
         self.kind, self.eps, self.backend = kind, eps, backend
         self.tp = tp
         self.sequence_parallel = bool(sequence_parallel and tp is not None and tp.size > 1)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if kind == "layernorm" else None
+        # On the run's device like every other parameter (DeepSpeed would move them; our own engines do not).
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=init_device()))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=init_device())) if kind == "layernorm" else None
 
     def _p(self, p: torch.Tensor | None) -> torch.Tensor | None:
         return sequence_parallel_param(p, self.tp) if (p is not None and self.sequence_parallel) else p

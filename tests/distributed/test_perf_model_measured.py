@@ -10,7 +10,9 @@ What "measured" means here (see tests/distributed/perf_probe.py):
   partial sums, flags) are bookkeeping the model leaves out. TP must match exactly, ZeRO within 5%.
 * Memory: CPU has no caching allocator statistics, so the peak of one training step is measured as the bytes of
   every tensor storage of this run alive at the step's start (a gc census, each storage once) plus the highest
-  rise of allocated bytes during the step, from torch.profiler's allocation/free records of c10's CPU allocator.
+  rise of allocated bytes during the step, from torch.profiler's allocation/free records of c10's CPU allocator
+  (of a step whose record is complete: a free made on one of gloo's threads is not recorded, which made ZeRO-3
+  look up to 0.8 MB bigger in some runs; see perf_probe.step_peak).
   Not included: gloo's and Python's own buffers, the allocator's slack; this is the model's "framework overhead",
   which Frontier runs assume to be 3 GiB and which is set to 0 here. DeepSpeed's gradient bucket is modelled (it is
   set to 1e5 elements so it does not dwarf the tiny model). Within 15%. The bytes autograd saves for backward
