@@ -19,11 +19,12 @@ if [ -x .venv/bin/python ] && gpu_torch .venv/bin/python; then
   PY=.venv/bin/python
 elif command -v python3 >/dev/null 2>&1 && gpu_torch python3; then
   PY=python3
+  site="$PWD/build/gpu-site"
+  if [ -d "$site" ]; then export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"; fi  # a previous run's wheels
   if ! "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
     if compgen -G ".whl/*.whl" >/dev/null; then
-      site="$PWD/build/gpu-site"
       echo "> installing .whl/*.whl into $site (offline)"
-      "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
+      "$PY" -m pip install -q --upgrade --no-index --no-deps --target "$site" .whl/*.whl
       export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     else
       echo "error: $PY has a GPU torch but no deepspeed; put its wheels in .whl/ (../shared/gpu/offline_wheels.sh)" >&2
