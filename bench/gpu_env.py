@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
@@ -89,19 +88,8 @@ def header() -> str:
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs, accelerator events around each."""
-    from deepspeed.accelerator import get_accelerator
+    """Median milliseconds of ``fn()`` over ``reps`` runs, accelerator events around each (the same timer
+    that ``auto`` kernel selection uses, so bench and selection measure alike)."""
+    from megatron.kernels.measure import AcceleratorTimer
 
-    acc = get_accelerator()
-    for _ in range(warmup):  # compiles and autotunes Triton kernels, warms cuDNN/cuBLAS heuristics
-        fn()
-    acc.synchronize()
-    pairs = []
-    for _ in range(reps):
-        start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    acc.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+    return AcceleratorTimer(warmup, reps)("bench", fn)

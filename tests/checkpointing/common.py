@@ -38,3 +38,19 @@ def check_resume_exact(world: int, args: list[str], save_dir: str, n: int = 2) -
     assert resumed == {i: straight[i] for i in range(n + 1, 2 * n + 1)}, (resumed, straight)
     assert len(set(straight.values())) == 2 * n, straight  # the loss moves: equality is not trivial
     return straight
+
+
+# Slow down one file write of the step-4 save, so the test can kill the process in the middle of it.
+SLOW_SAVE = """
+import sys, time
+from megatron.checkpointing import safe_io
+orig = safe_io.SafeCheckpointEngine.save
+def slow(self, state_dict, path):
+    orig(self, state_dict, path)
+    if "global_step4.tmp-" in path:
+        print("SAVING", path, flush=True)
+        time.sleep(60)
+safe_io.SafeCheckpointEngine.save = slow
+import pretrain_gpt
+sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
+"""

@@ -9,24 +9,9 @@ import time
 
 import pytest
 
-from tests.checkpointing.common import BASE
+from tests.checkpointing.common import BASE, SLOW_SAVE
 from tests.functional.cli import REPO, run_pretrain
 from tests.launcher import free_port
-
-# Slow down one file write of the step-4 save, so the test can kill the process in the middle of it.
-SLOW_SAVE = """
-import sys, time
-from megatron.checkpointing import safe_io
-orig = safe_io.SafeCheckpointEngine.save
-def slow(self, state_dict, path):
-    orig(self, state_dict, path)
-    if "global_step4.tmp-" in path:
-        print("SAVING", path, flush=True)
-        time.sleep(60)
-safe_io.SafeCheckpointEngine.save = slow
-import pretrain_gpt
-sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
-"""
 
 
 def _env(**extra) -> dict:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, pretrain_on
+from tests.checkpointing.common import BASE, SLOW_SAVE, pretrain_on
 
 HIER = ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--train-iters", "20"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -122,19 +122,6 @@ def test_bf16_int8_exit_save_resume_bit_exact(tmp_path):
     assert resumed[20] == straight[20] and resumed == {i: straight[i] for i in range(11, 21)}, (resumed, straight)
 
 
-SLOW_SAVE = """
-import sys, time
-from megatron.checkpointing import safe_io
-orig = safe_io.SafeCheckpointEngine.save
-def slow(self, state_dict, path):
-    orig(self, state_dict, path)
-    if "global_step4.tmp-" in path:
-        print("SAVING", path, flush=True)
-        time.sleep(60)
-safe_io.SafeCheckpointEngine.save = slow
-import pretrain_gpt
-sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
-"""
 
 
 @pytest.mark.timeout(200)
