@@ -3,6 +3,8 @@ turns a missing build into a one-line DataError that says how to build it."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from megatron.errors import DataError
@@ -17,10 +19,11 @@ BUILD_HINT = (
 def load_helpers():
     """The compiled module, or DataError with the build command."""
     try:
-        from megatron.data import _helpers
+        # import_module, not `from megatron.data import _helpers`: the latter is satisfied by the package
+        # attribute once any earlier import succeeded, so a test that hides the module would see nothing.
+        return importlib.import_module("megatron.data._helpers")
     except ImportError as e:
         raise DataError(f"{BUILD_HINT} ({e})") from None
-    return _helpers
 
 
 def sample_idx_needs_int64(sizes: np.ndarray, doc_idx: np.ndarray) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.checkpointing.common import BASE
 from tests.functional.cli import REPO
-from tests.gpu.helpers import assert_trains_like, device_args
+from tests.gpu.helpers import ITERS, assert_trains_like, device_args
 
 
 def test_device_args_drop_only_the_gloo_backend():
@@ -23,7 +23,7 @@ def test_device_args_drop_only_the_gloo_backend():
 
 
 def test_assert_trains_like_accepts_close_and_refuses_far_flat_or_missing():
-    ref = {i: 6.0 - 0.2 * i for i in range(1, 11)}
+    ref = {i: 6.0 - 3.0 * i / ITERS for i in range(1, ITERS + 1)}  # the suite's run length
     assert_trains_like({i: v * 1.01 for i, v in ref.items()}, ref, 3e-2, "close")
     with pytest.raises(AssertionError, match="far: loss"):
         assert_trains_like({i: v * 1.2 for i, v in ref.items()}, ref, 3e-2, "far")
