@@ -53,8 +53,9 @@ class ModelConfig:
     """None, 'full' or 'selective'."""
     recompute_num_layers: int | None = None
     bias_gelu_fusion: bool = True
-    """fc1 skips its bias add and GeLU(y + bias) runs as one function (megatron/model/fusions.py), as
-    Megatron's default (--no-bias-gelu-fusion turns it off); torch.compile fuses it into one kernel."""
+    """With --compile, fc1 skips its bias add and GeLU(y + bias) runs as one function that torch.compile
+    fuses into one kernel (megatron/model/fusions.py), as Megatron's default (--no-bias-gelu-fusion turns it
+    off). Without --compile the bias stays in fc1's matmul, which is cheaper than a separate add."""
     bias_dropout_fusion: bool = True
     """Output projections hand back their bias and bias add + dropout + residual add run as one function
     (Megatron's default; --no-bias-dropout-fusion turns it off). Same arithmetic as the unfused path."""

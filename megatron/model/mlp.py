@@ -24,10 +24,13 @@ class MLP(nn.Module):
                       sequence_parallel=sequence_parallel)
         # SwiGLU's fc1 is [gate; up] stacked: stride 2 keeps each rank's gate and up rows aligned.
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        # fc1's bias leaves the matmul only when torch.compile can fuse it into the GeLU: in eager mode a
+        # separate add costs a pass over [s, b, ffn] that addmm's bias epilogue does for free (measured on
+        # CPU: 6% of the step, bench/RESULTS.md).
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, init_std=cfg.init_method_std, stride=2 if cfg.swiglu else 1,
-            init_key=f"layers.{layer_number}.mlp.fc1", skip_bias_add=cfg.bias_gelu_fusion and not cfg.swiglu,
-            **common)
+            init_key=f"layers.{layer_number}.mlp.fc1",
+            skip_bias_add=cfg.bias_gelu_fusion and cfg.torch_compile and not cfg.swiglu, **common)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
             else cfg.init_method_std
         self.dense_4h_to_h = RowParallelLinear(

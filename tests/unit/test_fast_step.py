@@ -92,9 +92,12 @@ def _gpt_grads(fused: bool, **over):
     from megatron.model.sizes import named_model
 
     cfg = named_model("debug", seq_length=16, hidden_dropout=0.1, attention_dropout=0.0, attention_backend="torch",
-                      bias_gelu_fusion=fused, bias_dropout_fusion=fused, **over)
+                      bias_gelu_fusion=fused, bias_dropout_fusion=fused, torch_compile=fused, **over)
     torch.manual_seed(0)
     model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=1)
+    # bias-GeLU fusion takes fc1's bias out of the matmul only under --compile (ignored on CPU, so eager here)
+    fc1_skips = [m.skip_bias_add for n, m in model.named_modules() if n.endswith("dense_h_to_4h")]
+    assert fc1_skips and all(s == fused for s in fc1_skips), fc1_skips
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)  # the same dropout masks in both runs
     loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
