@@ -24,6 +24,7 @@ from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
+from megatron.preflight.layout import check_layout
 from megatron.training.batches import microbatches
 from megatron.training.control import RunControl
 from megatron.training.log import TrainingLogger, print_rank0
@@ -92,6 +93,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     ckpt = CheckpointSettings.from_args(args)
     check_checkpoint_support(run, ds_config, ckpt)  # engine x --save/--load: refused now, not at the first save
     preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
+    check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes)
     rank = pstate.global_rank

@@ -24,11 +24,13 @@ def with_flag(argv: list[str], flag: str, value: str | None = None) -> list[str]
     return argv + [flag] + ([value] if value is not None else [])
 
 
-def run_until_process_group(argv, monkeypatch, capsys, world_size: int = 1, rank: int = 0):
+def run_until_process_group(argv, monkeypatch, capsys, world_size: int = 1, rank: int = 0,
+                            local_world_size: int | None = None):
     """(exit code or None when the run reached the process group, stderr, stdout)."""
     import megatron.initialize
 
-    for k, v in dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
+    for k, v in dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank,
+                     LOCAL_WORLD_SIZE=local_world_size or world_size,
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=29557).items():
         monkeypatch.setenv(k, str(v))
 

@@ -130,3 +130,11 @@ def test_error_once_per_job_exit_2_on_every_rank(tmp_path):
         assert errors == ([f"error: --save {tmp_path / 'file' / 'c'} cannot be created (Not a directory: "
                            f"{tmp_path / 'file' / 'c'}): choose a directory whose parents exist as directories "
                            "and that you may write"] if rank == 0 else []), (rank, errors)
+
+
+def test_hierarchical_zero_partial_node_refused_before_process_group(monkeypatch, capsys):
+    argv = BASE + ["--zero-stage", "3", "--zero-hierarchy", "package,node,network"]
+    rc, err, out = run_until_process_group(argv, monkeypatch, capsys, world_size=4, local_world_size=8)
+    assert_one_line_error(rc, err, out, "--zero-hierarchy", "world size 4 is not a multiple of 8 ranks per node")
+    rc, err, _ = run_until_process_group(argv, monkeypatch, capsys, world_size=4, local_world_size=2)
+    assert rc is None, err  # whole nodes: the run goes on to the process group

@@ -18,7 +18,7 @@ from megatron.core.hierarchical_zero.config import (
     hpz_partition_size,
 )
 from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
-from megatron.core.hierarchical_zero.groups import Hierarchy, build_hierarchy, level_groups
+from megatron.core.hierarchical_zero.groups import Hierarchy, build_hierarchy, check_whole_nodes, level_groups
 
 __all__ = [
     "SECTION",
@@ -26,6 +26,7 @@ __all__ = [
     "Hierarchy",
     "HierarchyConfig",
     "build_hierarchy",
+    "check_whole_nodes",
     "check_run",
     "create_engine",
     "from_ds_config",

@@ -97,14 +97,19 @@ class Hierarchy:
         return n
 
 
+def check_whole_nodes(world_size: int, ranks_per_node: int) -> None:
+    """The tiers assume every node is full (preflight runs this before any process group, too)."""
+    if world_size % ranks_per_node:
+        raise ConfigError(f"--zero-hierarchy: world size {world_size} is not a multiple of {ranks_per_node} ranks "
+                          "per node: launch whole nodes (or set megatron_frontier.ranks_per_node in the ds_config)")
+
+
 def build_hierarchy(dp_groups: list[list[int]], world_size: int, rank: int, levels: tuple[str, ...],
                     ranks_per_node: int) -> Hierarchy:
     """Create every level's process groups (collective: all ranks call this in the same order)."""
     import deepspeed.comm as dist
 
-    if world_size % ranks_per_node:
-        raise ConfigError(f"world size {world_size} is not a multiple of {ranks_per_node} ranks per node: "
-                          "launch whole nodes")
+    check_whole_nodes(world_size, ranks_per_node)
     placements = frontier_placement(world_size, ranks_per_node)
     mine: list[Level] = []
     dp_size = len(dp_groups[0])
