@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.kernels import hip_ops, select
-from tests.unit.kernels.reference import TOL, attention_ref, layer_norm_ref, rel_err
+from tests.unit.kernels.reference import TOL, attention_inputs, attention_ref, layer_norm_ref, rel_err
 
 EPS = 1e-5
 
@@ -86,19 +86,10 @@ ATTN_CASES = [
 ]
 
 
-def _attn_inputs(b, nq, nkv, s, d, dtype, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, nq, s, d, generator=g).to(dtype)
-    k = torch.randn(b, nkv, s, d, generator=g).to(dtype)
-    v = torch.randn(b, nkv, s, d, generator=g).to(dtype)
-    do = torch.randn(b, nq, s, d, generator=g).to(dtype)
-    return tuple(t.to(device) for t in (q, k, v, do))
-
-
 @pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", ATTN_CASES)
 def test_attention_forward_backward_match_float64(device, b, nq, nkv, s, d, causal, dtype):
     ext = _ext("attention")
-    q, k, v, do = _attn_inputs(b, nq, nkv, s, d, dtype, seed=s * 131 + d, device=device)
+    q, k, v, do = attention_inputs(b, nq, nkv, s, d, dtype, seed=s * 131 + d, device=device)
     scale = 1.0 / math.sqrt(d)
 
     ptrs = _poison(device, [(q.shape, dtype), ((b, nq, s), torch.float32)])
