@@ -85,6 +85,24 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols,
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _load_tile(DY, X, MEAN, RSTD, stride_x, stride_dy, r0, row_end, cols, col_ok, ROWS: tl.constexpr,
+               RMS: tl.constexpr):
+    # One (ROWS, cols) tile of the backward's inputs in fp32: (rows, mask, dy, xhat, rstd[:, None]); both
+    # backward kernels read their rows this way, so x-hat is computed identically in both.
+    rows = r0 + tl.arange(0, ROWS)
+    row_ok = rows < row_end
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+    if RMS:
+        xhat = x * rstd
+    else:
+        xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd, 0.0)
+    return rows, mask, dy, xhat, rstd
+
+
 @triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx,
@@ -103,16 +121,8 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, strid
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
     for r0 in range(row_start, row_end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
-        if RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd, 0.0)
+        rows, mask, dy, xhat, rstd = _load_tile(DY, X, MEAN, RSTD, stride_x, stride_dy, r0, row_end, cols, col_ok,
+                                                ROWS, RMS)
         wdy = w * dy
         c1 = (tl.sum(xhat * wdy, 1) / n_cols)[:, None]
         if RMS:
@@ -144,16 +154,8 @@ def _norm_dwdb_kernel(DY, X, MEAN, RSTD, DW_PART, DB_PART, stride_x, stride_dy, 
     row_start = strip * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
     for r0 in range(row_start, row_end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
-        if RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd, 0.0)
+        rows, mask, dy, xhat, rstd = _load_tile(DY, X, MEAN, RSTD, stride_x, stride_dy, r0, row_end, cols, col_ok,
+                                                ROWS, RMS)
         dw_acc += tl.sum(dy * xhat, 0)
         if HAS_BIAS:
             db_acc += tl.sum(dy, 0)
