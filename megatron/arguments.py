@@ -24,6 +24,14 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                    help="default: the accelerator's own (gloo on CPU, nccl=RCCL on ROCm)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by DeepSpeed's launcher")
+    g.add_argument("--master-addr", default=None,
+                   help="rank 0's host (default: MASTER_ADDR, else the launcher's); under Slurm a host outside the "
+                        "job is replaced by the step's first node")
+    g.add_argument("--master-port", type=int, default=None, help="rank 0's rendezvous port (default: MASTER_PORT, "
+                                                                 "else 29500)")
+    g.add_argument("--rendezvous-timeout-secs", type=float, default=60.0,
+                   help="how long ranks wait to meet rank 0 before one error line (the collective timeout is "
+                        "--distributed-timeout-minutes)")
 
 
 def _model(p: argparse.ArgumentParser) -> None:
