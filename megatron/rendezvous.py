@@ -84,7 +84,7 @@ def resolve_master(info: RankInfo, env: Mapping[str, str], master_addr: str | No
     rank, an address that is not a node of the job becomes the first node of the step (where srun puts rank 0).
     """
     notes = []
-    if info.source == "torchrun":
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun itself, not just RANK/WORLD_SIZE variables
         given = [f"{flag} {v}" for flag, v, cur in (("--master-addr", master_addr, info.master_addr),
                                                      ("--master-port", master_port, info.master_port))
                  if v is not None and str(v) != str(cur)]
