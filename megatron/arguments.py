@@ -125,7 +125,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--data-cache-path", default=None, help="where sample/shuffle index files are cached")
     g.add_argument("--tokenizer-type", default=None,
-                   help="GPT2BPETokenizer | HFTokenizer | SentencePieceTokenizer | NullTokenizer")
+                   help="GPT2BPETokenizer (the default with --data-path, as upstream) | GPTSentencePieceTokenizer | "
+                        "Llama2Tokenizer | SentencePieceTokenizer | HFTokenizer | NullTokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
