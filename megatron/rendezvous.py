@@ -21,6 +21,7 @@ from megatron.topology import RankInfo, parse_nodelist
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 _PROBE_INTERVAL_S = 0.5
+_LOOPBACK = "127.0.0.1"
 
 
 def check_flags(master_port: int | None, rendezvous_timeout_s: float) -> None:
@@ -141,12 +142,14 @@ def rendezvous_store(info: RankInfo, timeout_s: float, pg_timeout: timedelta, ag
     if not server:
         _wait_until_listening(addr, port, timeout_s)
     try:
+        # The server listens on every interface whatever the host name; rank 0's own client reaches it over
+        # loopback, so a MASTER_ADDR that rank 0 cannot resolve fails on the ranks that need it, in one line each.
         # wait_for_workers: every client counts itself in, and the server returns once all have (or times out).
-        store = TCPStore(addr, port, world, is_master=server, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=True)
+        store = TCPStore(_LOOPBACK if server else addr, port, world, is_master=server,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError subclass RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if server and "clients joined" not in first and "Timed out" not in first:
+        if server and ("listen" in first or "EADDRINUSE" in first):
             raise DistributedError(f"rank 0 cannot listen on port {port} for the rendezvous ({first}): pick a free "
                                    "--master-port / MASTER_PORT", every_rank=True) from None
         who = "the other ranks did not all reach" if server else "cannot join"
