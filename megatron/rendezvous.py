@@ -135,9 +135,11 @@ def rendezvous_store(info: RankInfo, timeout_s: float, pg_timeout: timedelta, ag
     other ranks; they wait at most ``timeout_s`` for it to listen. Its timeout is then raised to the process
     group's, which bounds every later store operation as before.
     """
-    from torch.distributed import TCPStore
+    from torch.distributed import HashStore, TCPStore
 
     addr, port, rank, world = info.master_addr, info.master_port, info.rank, info.world_size
+    if world == 1 and not agent_store:
+        return HashStore()  # nobody to meet: no port to bind, so concurrent single-process runs never collide
     server = rank == 0 and not agent_store
     if not server:
         _wait_until_listening(addr, port, timeout_s)
