@@ -114,6 +114,19 @@ def test_rank0_gives_up_within_the_bound_when_no_one_joins(addr):
     assert time.monotonic() - start < 10
 
 
+def test_single_process_needs_no_port():
+    """World size 1 meets on an in-memory store: a port another job holds does not matter."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        store = rendezvous_store(RankInfo(0, 1, 0, 1, 0, "127.0.0.1", busy.getsockname()[1], "single"), 1.0,
+                                 timedelta(minutes=10))
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
 def test_pretrain_with_unreachable_master_ends_in_one_line():
     """A non-zero rank whose MASTER_ADDR:MASTER_PORT has no listener: torch alone retries for 10 minutes."""
     port = free_port()

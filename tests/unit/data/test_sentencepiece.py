@@ -104,12 +104,15 @@ def test_same_as_upstream(kind, sp_model, monkeypatch):
         assert ids == up.tokenize(text) and ours.detokenize(ids) == up.detokenize(ids)
 
 
-def test_one_line_errors(tmp_path, sp_model):
+def test_one_line_errors(tmp_path, sp_model, corpus, load_tool):
     for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer", "SentencePieceTokenizer"):
         with pytest.raises(ConfigError, match=f"--tokenizer-type {kind} needs --tokenizer-model"):
             build_tokenizer(kind)
         with pytest.raises(ConfigError, match=r"--tokenizer-model .*none\.model not found"):
             build_tokenizer(kind, tokenizer_model=str(tmp_path / "none.model"))
+    with pytest.raises(ConfigError, match=r"--vocab-size 100 is too small for --format sentencepiece"):
+        load_tool("train_tokenizer").main(["--input", corpus[0], "--format", "sentencepiece", "--vocab-size", "100",
+                                           "--output-dir", str(tmp_path / "small")])
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match=r"bad\.model is not a SentencePiece model") as e:
         build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "bad.model"))
