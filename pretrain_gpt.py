@@ -34,8 +34,8 @@ def _tokenizer(args):
         missing = [flag for flag, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if not v]
         if missing:
             raise ConfigError(f"--data-path without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
-                              f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); or pass "
-                              "--tokenizer-type with its files")
+                              f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
+                              "or pass --tokenizer-type with its files")
         args.tokenizer_type = DEFAULT_TOKENIZER_TYPE
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
