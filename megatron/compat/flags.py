@@ -3,7 +3,7 @@
 - honoured: our parser defines the flag (megatron/arguments.py) and it does here what it does upstream;
 - no-op: provably without effect here (``NOOPS``); accepted and said once in the log. A no-op may hold only for
   some values (``NoOp.accepts``); other values are refused with ``NoOp.otherwise``;
-- refused: one line before any process group, naming the flag and what to use instead (``REFUSED``, or the
+- refused: one line before any process group, naming the flag and what to use instead (``REFUSALS``, or the
   whole upstream parser group in ``REFUSED_GROUPS``).
 
 A no-op or refused flag given at upstream's default value is upstream's default behaviour, which is ours, so it is
@@ -121,7 +121,7 @@ NOOPS: dict[str, NoOp] = {
         "a head dim other than --hidden-size / --num-attention-heads is not built here: drop --kv-channels"),
 }
 
-REFUSED: dict[str, Refused] = {
+REFUSALS: dict[str, Refused] = {
     # deprecated upstream too (upstream asserts)
     "--batch-size": Refused("use --micro-batch-size (upstream refuses it too)"),
     "--warmup": Refused("use --lr-warmup-fraction or --lr-warmup-iters (upstream refuses it too)"),
@@ -279,8 +279,8 @@ def rule(row: dict, ours: set[str]) -> list[tuple[str, object]]:
     for f in row["flags"]:
         if f in NOOPS:
             found.append((NOOP, NOOPS[f]))
-        if f in REFUSED:
-            found.append((REFUSED, REFUSED[f]))
+        if f in REFUSALS:
+            found.append((REFUSED, REFUSALS[f]))
     if row["group"] in REFUSED_GROUPS:
         found.append((REFUSED, Refused(REFUSED_GROUPS[row["group"]])))
     return found

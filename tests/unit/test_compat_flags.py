@@ -39,7 +39,7 @@ def test_every_upstream_flag_is_in_exactly_one_class():
 def test_tables_name_only_upstream_flags():
     known = {f for row in compat.upstream_flags() for f in row["flags"]}
     groups = {row["group"] for row in compat.upstream_flags()}
-    stale = (set(compat.NOOPS) | set(compat.REFUSED) | set(compat.DEFAULT_DIFFERENCES)) - known
+    stale = (set(compat.NOOPS) | set(compat.REFUSALS) | set(compat.DEFAULT_DIFFERENCES)) - known
     assert not stale, f"table entries that are not upstream flags: {stale}"
     assert set(compat.REFUSED_GROUPS) <= groups
 
@@ -134,3 +134,15 @@ def test_honoured_flags_keep_upstreams_defaults():
         if not same:
             differ[row["flags"][0]] = (up, ours)
     assert set(differ) == set(compat.DEFAULT_DIFFERENCES), differ
+
+
+def test_readme_table_is_current():
+    """The README's compatibility table is written from these tables (tools/compat_table.py)."""
+    import subprocess
+    import sys
+
+    from tests.functional.cli import REPO
+
+    proc = subprocess.run([sys.executable, "tools/compat_table.py", "--check"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
