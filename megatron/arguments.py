@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
-from megatron.errors import ConfigError
+from megatron.compat import flags as compat
+from megatron.errors import ConfigError, launcher_rank
 from megatron.model.sizes import model_names, named_model
 
 
@@ -39,11 +40,13 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-size", choices=model_names(), default=None,
                    help="a named shape (explicit shape flags override its fields)")
     g.add_argument("--num-layers", type=int)
+    g.add_argument("--encoder-num-layers", type=int, help="upstream's other name for --num-layers (GPT has one stack)")
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--num-key-value-heads", "--num-query-groups", dest="num_key_value_heads", type=int)
     g.add_argument("--seq-length", type=int)
+    g.add_argument("--encoder-seq-length", type=int, help="upstream's other name for --seq-length")
     g.add_argument("--max-position-embeddings", type=int)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None)
@@ -53,7 +56,8 @@ def _model(p: argparse.ArgumentParser) -> None:
                    help="GeLU with the tanh approximation (HF GPT-2's gelu_new) instead of the exact erf form")
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
-    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-base", "--rotary-position-embeddings-theta", dest="rotary_base", type=float,
+                   default=10000.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -64,7 +68,7 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--checkpoint-activations", action="store_true", help="= --recompute-granularity full")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
-    g.add_argument("--use-flash-attn", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
+    g.add_argument("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
                    help="the HIP flash-attention kernel (csrc/), when built")
     g.add_argument("--use-flash-attn-triton", action="store_true")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
@@ -108,7 +112,8 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is always used")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
+    g.add_argument("--deepspeed_config", "--deepspeed-config", "--deepscale_config", dest="deepspeed_config",
+                   default=None)
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     g.add_argument("--zero-hierarchy", default=None, metavar="TIERS",
                    help="hierarchical ZeRO-3 over Frontier's tiers, e.g. package,node,network (needs --zero-stage 3)")
@@ -179,11 +184,30 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     _checkpointing(p)
     if extra is not None:
         extra(p)
+    compat.add_upstream_flags(p)  # last: every upstream flag we do not define, to classify what was given
     return p
 
 
 def parse_args(argv=None, extra=None) -> argparse.Namespace:
-    return build_parser(extra).parse_args(argv)
+    """Parse, then apply upstream's flag classes (megatron/compat/flags.py): a refused flag is a ConfigError, a
+    given no-op is said once."""
+    args = build_parser(extra).parse_args(argv)
+    for note in compat.apply(args):
+        if launcher_rank() == 0:
+            print(f"> {note}", flush=True)
+    _resolve_aliases(args)
+    return args
+
+
+def _resolve_aliases(args: argparse.Namespace) -> None:
+    """Upstream's second names for the layer count and sequence length (its validate_args does the same)."""
+    for name, alias in (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length")):
+        value, other = getattr(args, name, None), getattr(args, alias, None)
+        if value is not None and other is not None:
+            raise ConfigError(f"--{name.replace('_', '-')} and --{alias.replace('_', '-')} are both given: they are "
+                              "the same setting, keep one")
+        if value is None and other is not None:
+            setattr(args, name, other)
 
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")

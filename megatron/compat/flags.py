@@ -1,0 +1,359 @@
+"""Every flag of upstream Megatron-DeepSpeed's pretrain_gpt.py in exactly one class, as data.
+
+- honoured: our parser defines the flag (megatron/arguments.py) and it does here what it does upstream;
+- no-op: provably without effect here (``NOOPS``); accepted and said once in the log. A no-op may hold only for
+  some values (``NoOp.accepts``); other values are refused with ``NoOp.otherwise``;
+- refused: one line before any process group, naming the flag and what to use instead (``REFUSALS``, or the
+  whole upstream parser group in ``REFUSED_GROUPS``).
+
+A no-op or refused flag given at upstream's default value is upstream's default behaviour, which is ours, so it is
+accepted without a word (``--num-experts 1``, ``--DDP-impl local``). The flag list comes from upstream's own parser
+(``upstream_flags.json``, written by ``tools/extract_upstream_flags.py``); ``tests/unit/test_compat_flags.py``
+fails when a flag is in no class or in two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron.errors import ConfigError
+
+HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_flags.json")
+_DEST_PREFIX = "upstream__"
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+@dataclass(frozen=True)
+class NoOp:
+    why: str
+    """Why the flag changes nothing here (printed once when it is given)."""
+    accepts: Callable[[object, argparse.Namespace], bool] | None = None
+    """The values (given the other flags) for which it is a no-op; None: every value."""
+    otherwise: str = ""
+    """The fix printed for the other values."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    instead: str
+    """What to use instead, or why it cannot be honoured here."""
+
+
+_DS = "DeepSpeed's engine does data parallelism and the optimizer step here, as upstream under --deepspeed"
+_KERNEL = "a kernel choice with the same arithmetic; megatron/kernels picks the fastest backend"
+_PIPE = "Megatron's own pipeline schedule; pipelines run on DeepSpeed's engine here, as upstream under --deepspeed"
+_NOT_GPT = "not used by GPT pretraining (upstream reads it only for BERT/T5/ICT models)"
+_MOE = "mixture of experts is not built here: drop the MoE flags (dense GPT only)"
+
+
+def _is_rope(args: argparse.Namespace) -> bool:
+    return bool(args.use_rotary_position_embeddings or args.position_embedding_type == "rope")
+
+
+def _kv_channels_is_head_dim(value, args: argparse.Namespace) -> bool:
+    return (args.hidden_size is not None and args.num_attention_heads
+            and value == args.hidden_size // args.num_attention_heads)
+
+
+NOOPS: dict[str, NoOp] = {
+    # kernels and fusions: same arithmetic, another kernel
+    "--no-masked-softmax-fusion": NoOp(_KERNEL),
+    "--no-gradient-accumulation-fusion": NoOp(_KERNEL),
+    "--no-persist-layer-norm": NoOp(_KERNEL),
+    "--disable-mem-efficient-ln": NoOp(_KERNEL),
+    "--use-flash-attn-builder": NoOp(_KERNEL),
+    "--no-async-tensor-model-parallel-allreduce": NoOp("upstream turns async TP all-reduce off under --deepspeed"),
+    "--attention-softmax-in-fp32": NoOp("attention softmax is always computed in fp32 here (SDPA / flash kernels "
+                                        "accumulate in fp32)"),
+    "--no-query-key-layer-scaling": NoOp("query-key layer scaling divides by the layer number before the softmax and "
+                                         "multiplies it back inside; with the fp32 softmax here it is the identity"),
+    "--onnx-safe": NoOp("it only changes how GeLU is written for ONNX export"),
+    # data-parallel wrappers and Megatron's own optimizer plumbing, unused under DeepSpeed
+    "--DDP-impl": NoOp(_DS),
+    "--no-contiguous-buffers-in-local-ddp": NoOp(_DS),
+    "--accumulate-allreduce-grads-in-fp32": NoOp(_DS + " (bf16 gradients accumulate in DeepSpeed's fp32 buffers)"),
+    "--use-distributed-optimizer": NoOp(_DS + " (ZeRO shards the optimizer; Megatron's distributed optimizer is "
+                                        "never built under --deepspeed)"),
+    "--no-scatter-gather-tensors-in-pipeline": NoOp(_PIPE),
+    "--use-ring-exchange-p2p": NoOp(_PIPE),
+    "--overlap-p2p-communication": NoOp(_PIPE),
+    "--empty-unused-memory-level": NoOp("it only returns cached allocator memory; no value changes the arithmetic"),
+    "--zero-reduce-scatter": NoOp("upstream never reads it: the DeepSpeed JSON's zero_optimization section decides"),
+    "--zero-contigious-gradients": NoOp("upstream never reads it: the DeepSpeed JSON's zero_optimization section "
+                                        "decides"),
+    "--zero-reduce-bucket-size": NoOp("upstream never reads it: set zero_optimization.reduce_bucket_size in the JSON"),
+    "--zero-allgather-bucket-size": NoOp("upstream never reads it: set zero_optimization.allgather_bucket_size in "
+                                         "the JSON"),
+    "--use-pin-memory": NoOp("upstream never reads it: the JSON's offload sections decide pinning"),
+    "--remote-device": NoOp("only 'none' (ZeRO-3 parameters stay on the device)", lambda v, a: v == "none",
+                            "ZeRO-3 parameter offload through zero.Init(remote_device=...) is not built here: use "
+                            "--remote-device none"),
+    # data format and loading
+    "--data-impl": NoOp("the memory-mapped .bin/.idx reader is the only one, as upstream's 'mmap' and 'infer'"),
+    "--mmap-warmup": NoOp("it only pre-reads the memory map; the samples are the same"),
+    "--no-load-lr-state": NoOp("upstream parses it and never reads it"),
+    "--no-save-rng": NoOp("the RNG state is always saved; whether a resume uses it is --no-load-rng"),
+    "--exit-signal-handler": NoOp("SIGTERM and SIGUSR1 always save a checkpoint and exit 0 here"),
+    "--deepscale": NoOp("DeepSpeed is always used here (an old spelling of --deepspeed)"),
+    # GPT needs none of these
+    "--decoder-seq-length": NoOp(_NOT_GPT),
+    "--retriever-seq-length": NoOp(_NOT_GPT),
+    "--sample-rate": NoOp(_NOT_GPT),
+    "--mask-prob": NoOp(_NOT_GPT),
+    "--short-seq-prob": NoOp(_NOT_GPT),
+    "--bert-no-binary-head": NoOp(_NOT_GPT),
+    "--profile_steps": NoOp("it only matters with --profile"),
+    "--profile-ranks": NoOp("it only matters with --profile"),
+    # conditional no-ops
+    "--no-position-embedding": NoOp(
+        "with rotary embeddings there is no learned position table (upstream drops it too)",
+        lambda v, a: _is_rope(a),
+        "a GPT without any position embedding is not built here: add --use-rotary-position-embeddings or drop "
+        "--no-position-embedding"),
+    "--kv-channels": NoOp(
+        "it equals --hidden-size / --num-attention-heads, the head dim used here", _kv_channels_is_head_dim,
+        "a head dim other than --hidden-size / --num-attention-heads is not built here: drop --kv-channels"),
+}
+
+REFUSALS: dict[str, Refused] = {
+    # deprecated upstream too (upstream asserts)
+    "--batch-size": Refused("use --micro-batch-size (upstream refuses it too)"),
+    "--warmup": Refused("use --lr-warmup-fraction or --lr-warmup-iters (upstream refuses it too)"),
+    "--model-parallel-size": Refused("use --tensor-model-parallel-size (upstream refuses it too)"),
+    # mixture of experts
+    "--num-experts": Refused(_MOE),
+    "--mlp-type": Refused(_MOE),
+    "--topk": Refused(_MOE),
+    "--expert-interval": Refused(_MOE),
+    "--num-experts-switch": Refused(_MOE),
+    "--disable-moe-token-dropping": Refused(_MOE),
+    "--moe-train-capacity-factor": Refused(_MOE),
+    "--moe-eval-capacity-factor": Refused(_MOE),
+    "--moe-min-capacity": Refused(_MOE),
+    "--moe-loss-coeff": Refused(_MOE),
+    "--create-moe-param-group": Refused(_MOE),
+    "--disable-moe-top2-2nd-expert-sampling": Refused(_MOE),
+    "--use-tutel": Refused(_MOE),
+    "--enable-expert-tensor-parallelism": Refused(_MOE),
+    "--moe-expert-parallel-size": Refused(_MOE),
+    # model variants with other arithmetic
+    "--apply-layernorm-1p": Refused("the 1+gamma norm parametrisation is not built: drop the flag"),
+    "--apply-residual-connection-post-layernorm": Refused("post-norm residuals are not built: drop the flag"),
+    "--squared-relu": Refused("use --swiglu, the exact GeLU or --openai-gelu"),
+    "--embedding-weights-in-fp32": Refused("embeddings are kept in the run's precision here: drop the flag"),
+    "--fp32-residual-connection": Refused("the residual stream stays in the run's precision here: drop the flag"),
+    "--fp16-lm-cross-entropy": Refused("the cross entropy is always computed in fp32 here: drop the flag"),
+    "--init-method-xavier-uniform": Refused("weights use Megatron's normal init (--init-method-std): drop the flag"),
+    "--data-parallel-random-init": Refused("every DP replica starts from the same weights here: drop the flag"),
+    "--no-initialization": Refused("weights are always initialised (a --load overwrites them): drop the flag"),
+    "--start-weight-decay": Refused("weight decay is constant (--weight-decay): drop the flag"),
+    "--end-weight-decay": Refused("weight decay is constant (--weight-decay): drop the flag"),
+    "--weight-decay-incr-style": Refused("weight decay is constant (--weight-decay): use --weight-decay-incr-style "
+                                         "constant or drop the flag"),
+    "--decoder-num-layers": Refused("GPT has one layer stack: use --num-layers"),
+    "--pipeline-model-parallel-split-rank": Refused("an encoder/decoder split has no meaning for GPT: drop the flag"),
+    "--num-layers-per-virtual-pipeline-stage": Refused(
+        "DeepSpeed's pipeline engine has no interleaved schedule: drop the flag (1F1B is used)"),
+    "--standalone-embedding-stage": Refused("the embedding shares the first pipeline stage: drop the flag"),
+    "--enable-zbh1-pipeline": Refused("the zero-bubble schedule is not built: drop the flag (1F1B is used)"),
+    "--enable-zbh1-exact-semantics": Refused("the zero-bubble schedule is not built: drop the flag"),
+    "--random-ltd": Refused("random layer-token drop is not built: drop the flag"),
+    "--ds-inference": Refused("this is a pretraining entry point: drop the flag"),
+    "--inference": Refused("this is a pretraining entry point: drop the flag"),
+    "--lazy-mpu-init": Refused("the process group is always created by pretrain_gpt.py: drop the flag"),
+    "--use-dataset-only": Refused("use tools/ or megatron.data directly to build datasets without a model"),
+    "--force-ds-sequence-parallel": Refused("not built: drop the flag"),
+    "--ds-sequence-parallel-fpdt": Refused("FPDT sequence parallelism is not built: drop the flag"),
+    "--ds-sequence-parallel-fpdt-chunk-size": Refused("FPDT sequence parallelism is not built: drop the flag"),
+    "--ds-sequence-parallel-fpdt-offloading": Refused("FPDT sequence parallelism is not built: drop the flag"),
+    "--kill-switch-file": Refused("use SIGUSR1 (#SBATCH --signal=USR1@300) or --exit-duration-in-mins to stop a run"),
+    "--memory-centric-tiled-linear": Refused("tiled linear layers are not built: drop the flag"),
+    "--tile-factor": Refused("tiled linear layers are not built: drop the flag"),
+    "--scattered-embeddings": Refused("not built: drop the flag"),
+    "--split-transformers": Refused("not built: drop the flag"),
+    "--profile": Refused("use bench/ or the PyTorch profiler around pretrain_gpt.py: drop the flag"),
+    # data
+    "--train-data-path": Refused("use --data-path with --split"),
+    "--valid-data-path": Refused("use --data-path with --split"),
+    "--test-data-path": Refused("use --data-path with --split"),
+    "--aml-data-download-path": Refused("prefix --data-path yourself"),
+    "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
+    "--reset-position-ids": Refused("per-document position ids are not built: drop the flag"),
+    "--reset-attention-mask": Refused("per-document attention masks are not built: drop the flag"),
+    "--eod-mask-loss": Refused("masking the loss at end-of-document tokens is not built: drop the flag"),
+    "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
+    "--return-data-index": Refused("not built: drop the flag"),
+    "--data-efficiency-curriculum-learning": Refused("DeepSpeed data efficiency is not built: drop the flag"),
+    "--train-idx-path": Refused("index caches are found through --data-cache-path"),
+    "--train-desc-path": Refused("index caches are found through --data-cache-path"),
+    "--train-doc-idx-path": Refused("index caches are found through --data-cache-path"),
+    "--train-sample-idx-path": Refused("index caches are found through --data-cache-path"),
+    "--train-shuffle-idx-path": Refused("index caches are found through --data-cache-path"),
+    "--repeated-dataloader": Refused("the loader already runs across epochs: drop the flag"),
+    "--trust-remote-code": Refused("tokenizers never run code from their directory here: drop the flag"),
+    # checkpoints
+    "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
+    "--universal-checkpoint": Refused("convert with tools/reshard_checkpoint.py, then --load the full state"),
+    "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
+    # being built in this session (sample/token schedules, ramp, logging, optimizer, recompute, Ulysses)
+    "--train-samples": Refused("not built yet: use --train-iters"),
+    "--train-tokens": Refused("not built yet: use --train-iters"),
+    "--lr-decay-samples": Refused("not built yet: use --lr-decay-iters"),
+    "--lr-decay-tokens": Refused("not built yet: use --lr-decay-iters"),
+    "--lr-warmup-samples": Refused("not built yet: use --lr-warmup-iters"),
+    "--lr-warmup-tokens": Refused("not built yet: use --lr-warmup-iters"),
+    "--override-opt_param-scheduler": Refused("not built yet: drop the flag"),
+    "--use-checkpoint-opt_param-scheduler": Refused("not built yet: drop the flag"),
+    "--rampup-batch-size": Refused("not built yet: drop the flag"),
+    "--skip-train": Refused("not built yet: drop the flag"),
+    "--optimizer": Refused("not built yet: AdamW is used"),
+    "--sgd-momentum": Refused("not built yet: AdamW is used"),
+    "--cpu-optimizer": Refused("not built yet: drop the flag"),
+    "--cpu_torch_adam": Refused("not built yet: drop the flag"),
+    "--ds_fused_adam": Refused("not built yet: drop the flag"),
+    "--loss-scale": Refused("not built yet: set fp16.loss_scale in the DeepSpeed JSON"),
+    "--rotary-percent": Refused("not built yet: drop the flag"),
+    "--distribute-saved-activations": Refused("not built yet: drop the flag"),
+    "--distribute-checkpointed-activations": Refused("not built yet: drop the flag"),
+    "--recompute-method": Refused("not built yet: use --recompute-num-layers"),
+    "--checkpoint-num-layers": Refused("not built yet: use --recompute-num-layers"),
+    "--deepspeed-activation-checkpointing": Refused("not built yet: use --recompute-granularity full"),
+    "--partition-activations": Refused("not built yet: drop the flag"),
+    "--contigious-checkpointing": Refused("not built yet: drop the flag"),
+    "--checkpoint-in-cpu": Refused("not built yet: drop the flag"),
+    "--synchronize-each-layer": Refused("not built yet: drop the flag"),
+    "--profile-backward": Refused("not built yet: drop the flag"),
+    "--ds-sequence-parallel-size": Refused("not built yet: use --ds-sequence-parallel-size 1"),
+    "--log-params-norm": Refused("not built yet: drop the flag"),
+    "--log-num-zeros-in-grad": Refused("not built yet: drop the flag"),
+    "--timing-log-level": Refused("not built yet: drop the flag"),
+    "--no-barrier-with-level-1-timing": Refused("not built yet: drop the flag"),
+    "--timing-log-option": Refused("not built yet: drop the flag"),
+    "--tensorboard-log-interval": Refused("not built yet: drop the flag"),
+    "--tensorboard-queue-size": Refused("not built yet: drop the flag"),
+    "--log-timers-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--log-batch-size-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--no-log-learnig-rate-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--no-log-loss-scale-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--log-validation-ppl-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--log-optimizer-states-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--log-memory-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--log-world-size-to-tensorboard": Refused("not built yet: drop the flag"),
+    "--wandb-project": Refused("not built yet: drop the flag"),
+    "--wandb-exp-name": Refused("not built yet: drop the flag"),
+    "--wandb-save-dir": Refused("not built yet: drop the flag"),
+}
+
+REFUSED_GROUPS: dict[str, str] = {
+    "vision": "vision models are not built here: drop the vision flags",
+    "biencoder": "ICT/biencoder models are not built here: drop the biencoder flags",
+    "retro": "RETRO is not built here: drop the retro flags",
+    "Knowledge distillation": "knowledge distillation is not built here: drop the distillation flags",
+    "inference": "this is a pretraining entry point: drop the inference flags",
+    "Transformer-Engine": "Transformer Engine / fp8 is not built here: drop the fp8 flags (use --bf16)",
+    "autoresume": "ADLR autoresume is not built here: use SIGUSR1 (#SBATCH --signal=USR1@300), which saves and exits",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def upstream_flags() -> tuple[dict, ...]:
+    with open(_DATA) as f:
+        return tuple(json.load(f))
+
+
+def defined_option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings if not a.dest.startswith(_DEST_PREFIX)}
+
+
+def rule(row: dict, ours: set[str]) -> list[tuple[str, object]]:
+    """Every class ``row`` (an upstream flag) falls in; exactly one entry when the tables are right."""
+    found = []
+    if any(f in ours for f in row["flags"]):
+        found.append((HONOURED, None))
+    for f in row["flags"]:
+        if f in NOOPS:
+            found.append((NOOP, NOOPS[f]))
+        if f in REFUSALS:
+            found.append((REFUSED, REFUSALS[f]))
+    if row["group"] in REFUSED_GROUPS:
+        found.append((REFUSED, Refused(REFUSED_GROUPS[row["group"]])))
+    return found
+
+
+def add_upstream_flags(parser: argparse.ArgumentParser) -> None:
+    """Let the parser accept every upstream flag it does not define, so apply() can classify what was given."""
+    ours = defined_option_strings(parser)
+    group = parser.add_argument_group("upstream Megatron-DeepSpeed flags accepted as no-ops or refused "
+                                      "(megatron/compat/flags.py)")
+    for row in upstream_flags():
+        if any(f in ours for f in row["flags"]):
+            continue
+        kw = {"dest": _DEST_PREFIX + row["dest"], "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        if row["action"] in ("store_true", "store_false"):
+            kw["action"] = "store_const"
+            kw["const"] = row["action"] == "store_true"
+        else:
+            if row["type"] in _TYPES:
+                kw["type"] = _TYPES[row["type"]]
+            if row["nargs"] is not None:
+                kw["nargs"] = row["nargs"]
+            if row["choices"]:
+                kw["choices"] = row["choices"]
+        group.add_argument(*row["flags"], **kw)
+
+
+def apply(args: argparse.Namespace) -> list[str]:
+    """Refuse what must be refused (ConfigError, one line); return one note per no-op that was given.
+    The upstream-only attributes are removed from ``args``."""
+    given = {k[len(_DEST_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_DEST_PREFIX)}
+    for k in list(vars(args)):
+        if k.startswith(_DEST_PREFIX):
+            delattr(args, k)
+    if not given:
+        return []
+    by_dest = {row["dest"]: row for row in upstream_flags()}
+    notes = []
+    for dest, value in given.items():
+        row = by_dest[dest]
+        flag = row["flags"][0]
+        if value == row["default"]:
+            continue  # upstream's default behaviour, which is ours
+        classes = [c for c in rule(row, set()) if c[0] != HONOURED]
+        if not classes:
+            raise ConfigError(f"{flag}: upstream Megatron-DeepSpeed flag with no class in megatron/compat/flags.py "
+                              "(a bug: please report it)")
+        kind, r = classes[0]
+        if kind == REFUSED:
+            raise ConfigError(f"{flag} is refused: {r.instead}")
+        if r.accepts is not None and not r.accepts(value, args):
+            shown = f"{flag} {value}" if row["action"] == "store" else flag
+            raise ConfigError(f"{shown}: {r.otherwise}")
+        notes.append(f"{flag} is accepted and has no effect here: {r.why}")
+    return notes
+
+
+REFUSED_CHOICES: dict[str, dict[str, str]] = {
+    "--distributed-backend": {"hccl": "Habana Gaudi devices are not supported"},
+    "--lr-decay-style": {"inverse-square-root": "not built yet"},
+}
+"""Values of honoured flags that are refused (argparse names the flag and the valid choices in one line)."""
+
+
+DEFAULT_DIFFERENCES: dict[str, str] = {
+    "--normalization": "unset means layernorm, as upstream, unless --model-size names a variant with rmsnorm",
+    "--micro-batch-size": "upstream requires the flag; here it defaults to 1",
+    "--recompute-num-layers": "unset means every layer when recompute is on, as upstream's default of 1 layer per "
+                              "uniform chunk",
+    "--dataloader-type": "upstream's unset value becomes 'single' in its validate_args",
+    "--distributed-backend": "unset means the accelerator's own: nccl (RCCL) on GPUs as upstream, gloo on CPU",
+    "--num-workers": "0 loads in the training process; the worker count changes no sample or order",
+    "--zero-stage": "unset means the DeepSpeed JSON's stage (upstream reads the JSON too; its 1.0 only reaches "
+                    "zero.Init)",
+}
+"""Honoured flags whose default differs from upstream's parser, and why the run is the same."""
