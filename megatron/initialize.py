@@ -59,7 +59,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     if acc.device_name() != "cpu":
         # One process per GCD: under `--gpus-per-task=1` each sees one device, index 0.
         acc.set_device(local_rank % max(1, acc.device_count()))
-    backend = backend or acc.communication_backend_name()
+    backend = usable_backend(backend, acc.communication_backend_name(), rank)
     timeout = timedelta(minutes=timeout_minutes)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
     store = rendezvous_store(info, rendezvous_timeout_secs, timeout, agent_store)
@@ -77,6 +77,21 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
             every_rank=True,  # the ranks that could not join may not include rank 0
         ) from e
     return rank, world_size
+
+
+def usable_backend(requested: str | None, accelerator_backend: str, rank: int = 0) -> str:
+    """The backend to create: the requested one, or the accelerator's own when none is requested or when
+    ``nccl`` is requested from a torch without NCCL (a CPU build): upstream's job scripts pass
+    ``--distributed-backend nccl`` (its default), which on CPU can only mean the accelerator's collective library
+    (gloo), with the same collectives. Said once, by rank 0."""
+    if requested is None:
+        return accelerator_backend
+    if requested == "nccl" and not torch.distributed.is_nccl_available() and accelerator_backend != "nccl":
+        if rank == 0:
+            print(f"> --distributed-backend nccl: this torch has no NCCL; using {accelerator_backend}, the "
+                  "accelerator's own backend (the same collectives)", flush=True)
+        return accelerator_backend
+    return requested
 
 
 def _device_id_kwargs(acc, local_rank: int, world_size: int) -> dict:

@@ -180,3 +180,18 @@ def test_two_slurm_tasks_with_the_submit_host_as_master_meet_on_the_first_node()
     notes = [line for line in rank0_out.splitlines() if SUBMIT in line]
     assert len(notes) == 1 and "localhost" in notes[0], rank0_out
     assert SUBMIT not in outs[0][0]  # the note is printed once, by rank 0
+
+
+def test_nccl_requested_without_nccl_uses_the_accelerators_backend(monkeypatch, capsys):
+    """Upstream scripts pass --distributed-backend nccl (its default); a CPU torch has no NCCL."""
+    import torch
+
+    from megatron.initialize import usable_backend
+
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    assert usable_backend("nccl", "gloo", rank=0) == "gloo"
+    assert capsys.readouterr().out.count("--distributed-backend nccl") == 1
+    assert usable_backend("nccl", "gloo", rank=3) == "gloo" and capsys.readouterr().out == ""
+    assert (usable_backend(None, "gloo"), usable_backend("gloo", "nccl")) == ("gloo", "gloo")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert usable_backend("nccl", "gloo") == "nccl"  # a torch with NCCL gets what was asked
