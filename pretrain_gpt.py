@@ -3,7 +3,8 @@
     python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 512
 
-Data: --data-path (Megatron .bin/.idx, blended by weight) with a --tokenizer-type, or --mock-data, or
+Data: --data-path (Megatron .bin/.idx, blended by weight) with a --tokenizer-type (default GPT2BPETokenizer, as
+upstream), or --mock-data, or
 --demo-corpus (the embedded default corpus, byte tokens). --dry-run prints the layout and exits.
 """
 
@@ -26,10 +27,16 @@ def model_provider(run, pstate):
 
 
 def _tokenizer(args):
-    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer import DEFAULT_TOKENIZER_TYPE, build_tokenizer
 
     if args.tokenizer_type is None:
-        raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file or --tokenizer-model)")
+        # Upstream's pretrain_gpt.py defaults to GPT-2 BPE; recorded in args so checkpoints name it too.
+        missing = [flag for flag, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if not v]
+        if missing:
+            raise ConfigError(f"--data-path without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
+                              f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
+                              "or pass --tokenizer-type with its files")
+        args.tokenizer_type = DEFAULT_TOKENIZER_TYPE
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
@@ -49,8 +56,8 @@ def vocab_size(args) -> int:
         if args.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size (the null tokenizer's vocabulary)")
         return args.vocab_size
-    raise ConfigError("no data source: pass --data-path PREFIX with --tokenizer-type, --mock-data --vocab-size N, "
-                      "or --demo-corpus")
+    raise ConfigError("no data source: pass --data-path PREFIX (with --vocab-file/--merge-file, or --tokenizer-type "
+                      "and its files), --mock-data --vocab-size N, or --demo-corpus")
 
 
 def datasets_provider(args, run, num_samples):

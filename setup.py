@@ -54,6 +54,7 @@ setup(
         "numpy",
         "transformers",
         "tokenizers",
+        "sentencepiece",  # --tokenizer-type GPTSentencePieceTokenizer | Llama2Tokenizer | SentencePieceTokenizer
         "safetensors",
         "tensorboard",
         "pybind11",

@@ -25,6 +25,14 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                    help="default: the accelerator's own (gloo on CPU, nccl=RCCL on ROCm)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by DeepSpeed's launcher")
+    g.add_argument("--master-addr", default=None,
+                   help="rank 0's host (default: MASTER_ADDR, else the launcher's); under Slurm a host outside the "
+                        "job is replaced by the step's first node")
+    g.add_argument("--master-port", type=int, default=None, help="rank 0's rendezvous port (default: MASTER_PORT, "
+                                                                 "else 29500)")
+    g.add_argument("--rendezvous-timeout-secs", type=float, default=60.0,
+                   help="how long ranks wait to meet rank 0 before one error line (the collective timeout is "
+                        "--distributed-timeout-minutes)")
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -122,7 +130,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--data-cache-path", default=None, help="where sample/shuffle index files are cached")
     g.add_argument("--tokenizer-type", default=None,
-                   help="GPT2BPETokenizer | HFTokenizer | SentencePieceTokenizer | NullTokenizer")
+                   help="GPT2BPETokenizer (the default with --data-path, as upstream) | GPTSentencePieceTokenizer | "
+                        "Llama2Tokenizer | SentencePieceTokenizer | HFTokenizer | NullTokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")

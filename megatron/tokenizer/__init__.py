@@ -1,9 +1,12 @@
 """Tokenizers for Megatron-Frontier: ``build_tokenizer(--tokenizer-type, ...)`` and the classes it returns."""
 
 from megatron.tokenizer.tokenizer import (
+    DEFAULT_TOKENIZER_TYPE,
     TOKENIZER_TYPES,
     GPT2BPETokenizer,
+    GPTSentencePieceTokenizer,
     HFTokenizer,
+    Llama2Tokenizer,
     MegatronTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
@@ -11,9 +14,12 @@ from megatron.tokenizer.tokenizer import (
 )
 
 __all__ = [
+    "DEFAULT_TOKENIZER_TYPE",
     "TOKENIZER_TYPES",
     "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
     "HFTokenizer",
+    "Llama2Tokenizer",
     "MegatronTokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",

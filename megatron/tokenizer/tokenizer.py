@@ -162,20 +162,103 @@ class _TransformersTokenizer(MegatronTokenizer):
         return self._tok.decode(list(ids))
 
 
-class SentencePieceTokenizer(MegatronTokenizer):
-    """A SentencePiece ``.model`` file (--tokenizer-model); needs the optional sentencepiece package."""
+def _load_sentencepiece(tokenizer_type: str, tokenizer_model: str | None):
+    """A SentencePieceProcessor for --tokenizer-model, or one line naming the flag / file / package."""
+    if not tokenizer_model:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (a SentencePiece .model file; "
+                          "tools/train_tokenizer.py --format sentencepiece makes one)")
+    if not os.path.isfile(tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {tokenizer_model} not found (--tokenizer-type {tokenizer_type} needs a "
+                          "SentencePiece .model file)")
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs the sentencepiece package: "
+                          "pip install sentencepiece") from None
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+    except (OSError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model ({first})") from None
+
+
+class GPTSentencePieceTokenizer(MegatronTokenizer):
+    """Upstream's GPTSentencePieceTokenizer (its Llama scripts): the model's own pieces and ids, nothing added.
+
+    vocab_size is the model's piece count; bos / eos / pad are the model's ids (-1 when it has none); the
+    end-of-document token is eos; tokenize adds no bos or eos (--append-eod adds the eos)."""
+
+    name = "GPTSentencePieceTokenizer"
 
     def __init__(self, tokenizer_model: str | None) -> None:
-        if not tokenizer_model or not os.path.isfile(tokenizer_model):
-            raise ConfigError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece .model file")
-        try:
-            import sentencepiece
-        except ImportError:
-            raise ConfigError("--tokenizer-type SentencePieceTokenizer needs `pip install sentencepiece`") from None
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        self._sp = _load_sentencepiece(self.name, tokenizer_model)
+        self._source = tokenizer_model
         self.vocab_size = self._sp.get_piece_size()
-        self._eod = self._sp.eos_id()
-        self._bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.bos_id, self.eos_id, self.pad_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
+
+    @property
+    def eod(self) -> int:
+        if self.eos_id < 0:
+            raise ConfigError(f"SentencePiece model {self._source} has no eos piece (eos_id -1): retrain it with an "
+                              "eos piece or drop --append-eod")
+        return self.eos_id
+
+    @property
+    def bos(self) -> int | None:
+        return self.bos_id if self.bos_id >= 0 else None
+
+    @property
+    def pad(self) -> int:
+        return self.pad_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode_as_ids(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._sp.decode_ids(list(ids))
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer: as GPTSentencePieceTokenizer, but every document starts with bos (text
+    completion, as Llama-2 was trained); eos is appended only on request (--append-eod does it)."""
+
+    name = "Llama2Tokenizer"
+
+    def __init__(self, tokenizer_model: str | None) -> None:
+        super().__init__(tokenizer_model)
+        if self.bos_id < 0:
+            raise ConfigError(f"--tokenizer-type Llama2Tokenizer: SentencePiece model {tokenizer_model} has no bos "
+                              "piece (bos_id -1); use GPTSentencePieceTokenizer or retrain it with one")
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self._sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eod] if eos else [])
+
+
+class SentencePieceTokenizer(MegatronTokenizer):
+    """Upstream's SentencePieceTokenizer (its BERT/T5 one): the model's pieces plus <CLS>, <SEP>, <EOD>, <MASK>
+    and, when the model lacks them, <PAD>/<BOS>/<EOS>, appended after the last piece in that order.
+
+    The end-of-document token is the added <EOD> (not eos), so vocab_size is the piece count plus the added
+    tokens, and the special tokens' text in a document becomes their single id, as upstream does."""
+
+    def __init__(self, tokenizer_model: str | None) -> None:
+        self._sp = _load_sentencepiece("SentencePieceTokenizer", tokenizer_model)
+        n = self._sp.get_piece_size()
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(n)}
+        self._special: dict[str, int] = {}  # in the order they were added: ties in tokenize go to the earlier
+
+        def add(token: str) -> int:
+            self._special[token] = self._vocab.setdefault(token, len(self._vocab))
+            return self._special[token]
+
+        self._cls, self._sep, self._eod, self._mask = (add(t) for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"))
+        ids = {}
+        for kind, model_id in (("pad", self._sp.pad_id()), ("bos", self._sp.bos_id()), ("eos", self._sp.eos_id())):
+            ids[kind] = add(self._sp.id_to_piece(model_id) if 0 <= model_id < n else f"<{kind.upper()}>")
+        self._pad, self._bos, self._eos = ids["pad"], ids["bos"], ids["eos"]
+        self._inv_special = {i: t for t, i in self._special.items()}
+        self.vocab_size = len(self._vocab)
 
     @property
     def eod(self) -> int:
@@ -185,11 +268,33 @@ class SentencePieceTokenizer(MegatronTokenizer):
     def bos(self) -> int | None:
         return self._bos
 
+    @property
+    def pad(self) -> int:
+        return self._pad
+
     def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        ids: list[int] = []
+        pos = 0
+        while True:
+            hits = [(text.find(t, pos), order, t) for order, t in enumerate(self._special)]
+            hits = [h for h in hits if h[0] >= 0]
+            if not hits:
+                break
+            at, _, token = min(hits)  # the earliest occurrence; the first-added token on a tie
+            ids += self._sp.encode_as_ids(text[pos:at]) + [self._special[token]]
+            pos = at + len(token)
+        return ids + self._sp.encode_as_ids(text[pos:])
 
     def detokenize(self, ids: list[int]) -> str:
-        return self._sp.decode(list(ids))
+        # Upstream's spacing: each special token is written with a space on either side of it.
+        out, run = "", []
+        for i in ids:
+            if i in self._inv_special:
+                out += self._sp.decode_ids(run) + " " + self._inv_special[i] + " "
+                run = []
+            else:
+                run.append(i)
+        return out + self._sp.decode_ids(run)
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -218,7 +323,10 @@ class NullTokenizer(MegatronTokenizer):
         return " ".join(str(i) for i in ids)
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "SentencePieceTokenizer",
+                   "HFTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"
+"""Upstream's pretrain_gpt.py default (its args_defaults), which the Frontier job scripts rely on."""
 
 
 def build_tokenizer(
@@ -233,6 +341,10 @@ def build_tokenizer(
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in ("HFTokenizer", "HuggingFaceTokenizer"):  # the second is Megatron-LM's spelling
         return HFTokenizer(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":

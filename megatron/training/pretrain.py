@@ -25,6 +25,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
+from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import microbatches
 from megatron.training.control import RunControl
 from megatron.training.log import TrainingLogger, print_rank0
@@ -77,6 +78,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     from megatron.initialize import initialize_megatron, shutdown
 
     args = parse_args(argv, extra_args)
+    check_rendezvous_flags(args.master_port, args.rendezvous_timeout_secs)
     ranks = topology.discover_ranks(os.environ)
     run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
     # Ranks per node come from the launcher (Slurm/torchrun/MPI), never from device_count(): under
@@ -95,7 +97,8 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
-                                 args.distributed_timeout_minutes)
+                                 args.distributed_timeout_minutes, args.master_addr, args.master_port,
+                                 args.rendezvous_timeout_secs)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)

@@ -115,19 +115,24 @@ def test_hierarchical_zero_clip_on_device(nccl):
 def test_initialize_sets_the_device_before_the_process_group(monkeypatch):
     """all_gather_object on NCCL stages its pickle on the current device: it must be this rank's own."""
     from megatron import initialize
+    from megatron.topology import RankInfo
 
     calls = []
     acc = SimpleNamespace(device_name=lambda: "cuda", device_count=lambda: 4, communication_backend_name=lambda: "nccl",
-                          set_device=lambda i: calls.append(("set_device", i)))
+                          set_device=lambda i: calls.append(("set_device", i)), device=lambda i: f"cuda:{i}")
     monkeypatch.setattr(initialize, "get_accelerator", lambda: acc)
     monkeypatch.setattr(initialize.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(initialize, "_discover", lambda: (5, 8, 5, "127.0.0.1", "29500"))
+    monkeypatch.setattr(initialize, "_discover", lambda *a: RankInfo(5, 8, 5, 8, 0, "127.0.0.1", 29500, "torchrun"))
+    monkeypatch.setattr(initialize, "rendezvous_store", lambda *a: calls.append(("store",)))
+    monkeypatch.setattr(initialize.torch.distributed, "init_process_group",
+                        lambda backend, **kw: calls.append(("group", backend)))
     monkeypatch.setattr(initialize.deepspeed, "init_distributed",
                         lambda **kw: calls.append(("init", kw["dist_backend"])))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, os.environ.get(k, ""))  # restored after the test
     initialize.initialize_distributed()
-    assert calls == [("set_device", 1), ("init", "nccl")]  # local rank 5 of 4 visible devices -> device 1
+    # local rank 5 of 4 visible devices -> device 1, set before the store and the group exist
+    assert calls == [("set_device", 1), ("store",), ("group", "nccl"), ("init", "nccl")]
 
 
 class _Counter:

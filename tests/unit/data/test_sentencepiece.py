@@ -1,0 +1,174 @@
+"""SentencePiece tokenizers (GPTSentencePieceTokenizer, Llama2Tokenizer, SentencePieceTokenizer) on a model trained
+here by tools/train_tokenizer.py, against sentencepiece itself, upstream's own classes, preprocess_data and a
+2-iteration training run; and upstream's default --tokenizer-type GPT2BPETokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.errors import ConfigError, DataError
+from megatron.tokenizer import build_tokenizer
+
+spm = pytest.importorskip("sentencepiece")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _upstream_tokenizer_dir() -> str:
+    """build/upstream (shared/upstream/README.md) of this checkout, or of the main checkout when this is a worktree."""
+    roots = [REPO]
+    try:
+        common = subprocess.run(["git", "rev-parse", "--git-common-dir"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        roots.append(os.path.dirname(os.path.abspath(os.path.join(REPO, common))))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    dirs = [os.path.join(r, "build", "upstream", "megatron", "tokenizer") for r in roots]
+    return next((d for d in dirs if os.path.isdir(d)), dirs[0])
+
+
+UPSTREAM_TOKENIZER = _upstream_tokenizer_dir()
+TEXTS = ["Frontier trains a GPT on 9408 nodes.", "hello <EOD> world </s> and <s>", "", "  spaces   kept  ",
+         "<MASK><CLS>"]
+
+
+@pytest.fixture(scope="module")
+def sp_model(corpus, load_tool, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("sp"))
+    load_tool("train_tokenizer").main(["--input", corpus[0], "--format", "sentencepiece", "--vocab-size", "400",
+                                       "--output-dir", out])
+    return os.path.join(out, "tokenizer.model")
+
+
+def test_gpt_sentencepiece_is_the_models_own_ids(sp_model):
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
+    assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (sp.get_piece_size(), sp.eos_id(), sp.bos_id(), -1)
+    assert (sp.unk_id(), sp.bos_id(), sp.eos_id()) == (0, 1, 2)  # train_tokenizer's Llama layout
+    for text in TEXTS:
+        ids = tok.tokenize(text)
+        assert ids == sp.encode(text) and tok.detokenize(ids) == sp.decode(ids)
+
+
+def test_llama2_prepends_bos_and_eod_is_eos(sp_model):
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
+    tok = build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model)
+    assert (tok.vocab_size, tok.eod, tok.bos) == (gpt.vocab_size, 2, 1)
+    for text in TEXTS:
+        assert tok.tokenize(text) == [1] + gpt.tokenize(text)
+    assert tok.tokenize("abc", bos=False, eos=True) == gpt.tokenize("abc") + [2]
+
+
+def test_sentencepiece_tokenizer_adds_upstreams_special_tokens(sp_model):
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    n = sp.get_piece_size()
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    # <CLS> n, <SEP> n+1, <EOD> n+2, <MASK> n+3, <PAD> n+4 (the model has none); <s>/</s> are the model's.
+    assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (n + 5, n + 2, 1, n + 4)
+    assert tok.tokenize("a<EOD>b</s>") == sp.encode("a") + [n + 2] + sp.encode("b") + [2]
+
+
+def _upstream_module(monkeypatch):
+    """Upstream's megatron/tokenizer as a package of its own name (its BERT module imports six, for Python 2)."""
+    if not os.path.isdir(UPSTREAM_TOKENIZER):
+        pytest.skip("upstream Megatron-DeepSpeed is not prepared under build/upstream")
+    try:
+        import six  # noqa: F401
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "six", types.ModuleType("six"))
+    spec = importlib.util.spec_from_file_location("upstream_tokenizer", os.path.join(UPSTREAM_TOKENIZER, "__init__.py"),
+                                                  submodule_search_locations=[UPSTREAM_TOKENIZER])
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "upstream_tokenizer", mod)
+    spec.loader.exec_module(mod)
+    return sys.modules["upstream_tokenizer.tokenizer"]
+
+
+@pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer"])
+def test_same_as_upstream(kind, sp_model, monkeypatch):
+    up = getattr(_upstream_module(monkeypatch), f"_{kind}")(sp_model)
+    ours = build_tokenizer(kind, tokenizer_model=sp_model)
+    assert (ours.vocab_size, ours.eod, ours.bos, ours.pad) == (up.vocab_size, up.eod, up.bos, up.pad)
+    for text in TEXTS:
+        ids = ours.tokenize(text)
+        assert ids == up.tokenize(text) and ours.detokenize(ids) == up.detokenize(ids)
+
+
+def test_one_line_errors(tmp_path, sp_model, corpus, load_tool):
+    for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer", "SentencePieceTokenizer"):
+        with pytest.raises(ConfigError, match=f"--tokenizer-type {kind} needs --tokenizer-model"):
+            build_tokenizer(kind)
+        with pytest.raises(ConfigError, match=r"--tokenizer-model .*none\.model not found"):
+            build_tokenizer(kind, tokenizer_model=str(tmp_path / "none.model"))
+    with pytest.raises(ConfigError, match=r"--vocab-size 100 is too small for --format sentencepiece"):
+        load_tool("train_tokenizer").main(["--input", corpus[0], "--format", "sentencepiece", "--vocab-size", "100",
+                                           "--output-dir", str(tmp_path / "small")])
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(DataError, match=r"bad\.model is not a SentencePiece model") as e:
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "bad.model"))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind,first", [("GPTSentencePieceTokenizer", []), ("Llama2Tokenizer", [1])])
+def test_preprocess_data_accepts_sentencepiece_types(kind, first, sp_model, load_tool, tmp_path):
+    texts = ["first document here", "a second, longer document for the tiny model"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    load_tool("preprocess_data").main(["--input", str(src), "--output-prefix", str(tmp_path / "d"), "--tokenizer-type",
+                                       kind, "--tokenizer-model", sp_model, "--append-eod"])
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    ds = IndexedDataset(str(tmp_path / "d_text_document"))
+    assert [list(ds[i]) for i in range(len(ds))] == [first + sp.encode(t) + [2] for t in texts]
+
+
+def test_pretrain_two_iterations_on_gpt_sentencepiece_data(corpus, sp_model, load_tool, tmp_path):
+    prefix = tmp_path / "sp"
+    load_tool("preprocess_data").main(["--input", corpus[0], "--output-prefix", str(prefix), "--tokenizer-type",
+                                       "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod"])
+    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--num-layers", "1", "--hidden-size", "32",
+           "--num-attention-heads", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+           "--log-interval", "1", "--eval-iters", "0", "--data-path", f"{prefix}_text_document", "--split", "98,2,0",
+           "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPTSentencePieceTokenizer",
+           "--tokenizer-model", sp_model]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
+    assert len(losses) == 2 and all(np.isfinite(losses)), proc.stdout[-2000:]
+
+
+def _free_port() -> int:
+    from tests.launcher import free_port
+
+    return free_port()
+
+
+def _pretrain_args(**kw) -> argparse.Namespace:
+    from megatron.arguments import parse_args
+
+    return parse_args(["--data-path", "x", *sum((["--" + k.replace("_", "-"), v] for k, v in kw.items()), [])])
+
+
+def test_default_tokenizer_type_is_gpt2_bpe(tokenizer_dir, load_tool):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_entry", os.path.join(REPO, "pretrain_gpt.py"))
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    vocab, merges = os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt")
+    args = _pretrain_args(vocab_file=vocab, merge_file=merges)
+    assert entry.vocab_size(args) == len(json.load(open(vocab))) and args.tokenizer_type == "GPT2BPETokenizer"
+    with pytest.raises(ConfigError, match=r"without --tokenizer-type uses GPT2BPETokenizer .* needs --merge-file"):
+        entry.vocab_size(_pretrain_args(vocab_file=vocab))
+    with pytest.raises(ConfigError, match=r"--vocab-file .*nope\.json not found"):
+        entry.vocab_size(_pretrain_args(vocab_file=vocab + ".nope.json", merge_file=merges))
