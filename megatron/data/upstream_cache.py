@@ -1,0 +1,129 @@
+"""Reuse of index caches written by upstream Megatron-DeepSpeed (``<md5>.dsc``, ``<md5>_doc_idx.npy``,
+``<md5>_sample_idx.npy``, ``<md5>_shuffle_idx.npy``), which take minutes to build for a large corpus.
+
+Upstream names the files by the md5 of a short text description (prefix as given on the command line, split name,
+sample count, epochs, sequence length, seed, --split string) and looks for them in ``dirname(prefix)/index-cache``,
+then in --data-cache-path. That description says nothing of the data itself, so a cache that matches it is still
+checked against the documents before use (cheap O(samples) passes, no shuffle): the document counts of doc_idx, the
+token position of every sample start, and that shuffle_idx is a permutation of the right parts. Anything off is one
+log line and our own build; an upstream file is never written to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron.data.index_build import samples_in, separate_last_epoch
+
+UPSTREAM_KEYS = {"doc_idx": "_doc_idx.npy", "sample_idx": "_sample_idx.npy", "shuffle_idx": "_shuffle_idx.npy"}
+_CHUNK = 1 << 22  # rows checked at a time, so the check of a billion-sample index stays within a few hundred MB
+
+
+def upstream_description(prefix: str, name: str, num_samples: int, epochs: int, seq_length: int, seed: int,
+                         split: str) -> str:
+    """The text upstream hashes into its cache file names (its GPTDataset description)."""
+    return (f"GPT Dataset\n\nData prefix {prefix}\nDataset name {name}\nNumber of samples {num_samples}\n"
+            f"Number of epochs {epochs}\nSequence length {seq_length}\nRandom seed {seed}\nSplit {split}\n")
+
+
+def upstream_dirs(prefix: str, data_cache_path: str | None) -> list[str]:
+    """Where upstream would have written its cache, in its search order."""
+    dirs = [os.path.join(os.path.dirname(prefix), "index-cache")]
+    return dirs + ([data_cache_path] if data_cache_path else [])
+
+
+def find_upstream(prefix: str, data_cache_path: str | None, description: str) -> tuple[dict[str, str] | None, str]:
+    """(paths of a complete upstream cache whose .dsc holds exactly ``description``, "") or (None, why not: empty
+    when there is no candidate at all)."""
+    digest = hashlib.md5(description.encode("utf-8")).hexdigest()
+    for d in upstream_dirs(prefix, data_cache_path):
+        dsc = os.path.join(d, digest + ".dsc")
+        paths = {k: os.path.join(d, digest + suffix) for k, suffix in UPSTREAM_KEYS.items()}
+        if not all(os.path.isfile(p) for p in [dsc, *paths.values()]):
+            continue
+        try:
+            with open(dsc, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            return None, f"{dsc} unreadable ({e})"
+        if text != description:
+            return None, f"{dsc} describes another data set"
+        return paths, ""
+    return None, ""
+
+
+def check_upstream_arrays(arrays: dict[str, np.ndarray], documents: np.ndarray, sizes: np.ndarray,
+                          num_samples: int, seq_length: int, epochs: int) -> str:
+    """"" when the arrays are a valid index of these documents for this run, else what is wrong (one phrase)."""
+    doc_idx, sample_idx, shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+    n_docs, begin = len(documents), int(documents[0])
+    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
+    total = samples_in(epochs, tokens_per_epoch, seq_length)
+    separate = separate_last_epoch(epochs, tokens_per_epoch, seq_length, num_samples)
+    if doc_idx.ndim != 1 or len(doc_idx) != epochs * n_docs:
+        return f"doc_idx holds {len(doc_idx)} entries, not {epochs} epochs x {n_docs} documents"
+    parts = [doc_idx[: (epochs - 1) * n_docs], doc_idx[(epochs - 1) * n_docs:]] if separate else [doc_idx]
+    for part, times in zip(parts, [epochs - 1, 1] if separate else [epochs], strict=True):
+        local = np.asarray(part, dtype=np.int64) - begin
+        if local.size and (local.min() < 0 or local.max() >= n_docs):
+            return "doc_idx names documents outside this split"
+        if np.any(np.bincount(local, minlength=n_docs) != times):
+            return "doc_idx does not hold every document of the split once per epoch"
+    if sample_idx.shape != (total + 1, 2):
+        return f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2)"
+    if why := _check_sample_starts(doc_idx, sample_idx, sizes, seq_length):
+        return why
+    if len(shuffle_idx) != total:
+        return f"shuffle_idx holds {len(shuffle_idx)} samples, not {total}"
+    first = samples_in(epochs - 1, tokens_per_epoch, seq_length) if separate else total
+    seen = np.zeros(total, dtype=bool)
+    for lo in range(0, total, _CHUNK):
+        chunk = np.asarray(shuffle_idx[lo: lo + _CHUNK], dtype=np.int64)
+        bound = (0, first) if lo + len(chunk) <= first else (first, total) if lo >= first else None
+        if bound is None:  # the chunk straddles the two parts
+            head, tail = chunk[: first - lo], chunk[first - lo:]
+            ok = (head.size == 0 or (head.min() >= 0 and head.max() < first)) and (
+                tail.size == 0 or (tail.min() >= first and tail.max() < total))
+        else:
+            ok = chunk.min() >= bound[0] and chunk.max() < bound[1]
+        if not ok:
+            return "shuffle_idx is not a shuffle of the samples in upstream's parts"
+        seen[chunk] = True
+    if not seen.all():
+        return "shuffle_idx repeats samples"
+    return ""
+
+
+def _check_sample_starts(doc_idx: np.ndarray, sample_idx: np.ndarray, sizes: np.ndarray, seq_length: int) -> str:
+    """Sample i must start at token i * seq_length of the doc_idx-ordered stream, inside a document (chunked walk:
+    sample_idx[:, 0] never decreases, so each chunk needs the prefix sums of its own documents only)."""
+    base_pos, base_tokens = 0, 0  # tokens before doc_idx position base_pos
+    for lo in range(0, len(sample_idx), _CHUNK):
+        rows = np.asarray(sample_idx[lo: lo + _CHUNK], dtype=np.int64)
+        pos, off = rows[:, 0], rows[:, 1]
+        if pos[0] < base_pos or np.any(np.diff(pos) < 0) or pos[-1] >= len(doc_idx):
+            return "sample_idx document positions are out of order or out of range"
+        base_tokens += int(sizes[np.asarray(doc_idx[base_pos: pos[0]])].astype(np.int64).sum())
+        base_pos = int(pos[0])
+        lengths = sizes[np.asarray(doc_idx[base_pos: pos[-1] + 1])].astype(np.int64)
+        before = base_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        local = pos - base_pos
+        if np.any(before[local] + off != np.arange(lo, lo + len(rows), dtype=np.int64) * seq_length):
+            return "sample_idx does not match the document sizes (another .idx, or other documents)"
+        if np.any((off < 0) | ((off >= lengths[local]) & (np.arange(lo, lo + len(rows)) > 0))):
+            return "sample_idx points past the end of a document"
+    return ""
+
+
+def load_upstream(paths: dict[str, str], check: Callable[[dict[str, np.ndarray]], str]) -> tuple[dict | None, str]:
+    """(memory-mapped arrays, "") or (None, why they cannot be used)."""
+    try:
+        arrays = {k: np.load(p, mmap_mode="r", allow_pickle=False) for k, p in paths.items()}
+    except (OSError, ValueError) as e:
+        return None, f"unreadable ({e})"
+    why = check(arrays)
+    return (None, why) if why else (arrays, "")
