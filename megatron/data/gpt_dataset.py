@@ -2,8 +2,9 @@
 
 Three index arrays make a sample O(1) to fetch and the order reproducible from (seed, description) alone:
 doc_idx (documents of all epochs, shuffled), sample_idx (where each sample starts in doc_idx, built in C++) and
-shuffle_idx (sample order), built exactly as upstream Megatron-DeepSpeed builds them (megatron/data/index_build.py). They are cached as .npy files keyed by the md5 of the dataset description, which
-includes a content fingerprint of the .bin/.idx pair (megatron/data/fingerprint.py).
+shuffle_idx (sample order), built exactly as upstream Megatron-DeepSpeed builds them (megatron/data/index_build.py).
+They are cached as .npy files keyed by the md5 of the dataset description, which includes a content fingerprint of
+the .bin/.idx pair (megatron/data/fingerprint.py); upstream's own cache is reused (megatron/data/upstream_cache.py).
 """
 
 from __future__ import annotations
