@@ -44,6 +44,22 @@ def test_samples_are_windows_of_the_shuffled_document_stream(dataset_prefix, tmp
     assert 100 < n_docs
 
 
+def test_per_epoch_order_is_opt_in_and_keeps_epochs_apart(dataset_prefix, tmp_path):
+    """--per-epoch-doc-shuffle: each epoch of doc_idx is a permutation of the documents on its own (not upstream's
+    order, so it must differ from the default and be cached apart from it)."""
+    indexed = IndexedDataset(dataset_prefix)
+    kwargs = {"num_samples": 3 * int(indexed.sizes[:60].sum()) // SEQ, "seq_length": SEQ, "seed": 7,
+              "cache_dir": str(tmp_path), "log": lambda _: None}
+    ours = GPTDataset("train", indexed, 0, 60, per_epoch_order=True, **kwargs)
+    default = GPTDataset("train", indexed, 0, 60, **kwargs)
+    assert ours.num_epochs == default.num_epochs >= 3 and ours.hash != default.hash
+    for e in range(ours.num_epochs):
+        assert sorted(ours.doc_idx[e * 60 : (e + 1) * 60].tolist()) == list(range(60))
+    assert not np.array_equal(ours.doc_idx, default.doc_idx)
+    rng = np.random.RandomState(7)  # the former build, by hand: one permutation per epoch from one generator
+    np.testing.assert_array_equal(ours.doc_idx, np.concatenate([rng.permutation(60) for _ in range(ours.num_epochs)]))
+
+
 def test_index_cache_is_reused_and_keyed_by_description(dataset_prefix, tmp_path):
     indexed = IndexedDataset(dataset_prefix)
     logs, barriers = [], []
