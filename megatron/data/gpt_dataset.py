@@ -20,7 +20,13 @@ import numpy as np
 from megatron.data.fingerprint import content_fingerprint
 from megatron.data.index_build import build_per_epoch_order, build_upstream_order, num_epochs
 from megatron.data.indexed_dataset import IndexedDataset, index_file_path
-from megatron.data.upstream_cache import check_upstream_arrays, find_upstream, load_upstream, upstream_description
+from megatron.data.upstream_cache import (
+    check_upstream_arrays,
+    find_upstream,
+    load_upstream,
+    split_spellings,
+    upstream_description,
+)
 from megatron.errors import ConfigError, DataError
 
 _INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
@@ -107,8 +113,9 @@ class GPTDataset:
         text = json.dumps(self.description, sort_keys=True)
         self.hash = hashlib.md5(text.encode("utf-8")).hexdigest()
         # Upstream's own cache for this run, if one exists (only its order can be reused).
-        self.upstream_description = upstream_description(indexed.prefix, name, num_samples, self.num_epochs,
-                                                         seq_length, seed, split) if split is not None else None
+        self.upstream_descriptions = [
+            upstream_description(indexed.prefix, name, num_samples, self.num_epochs, seq_length, seed, spelling)
+            for spelling in split_spellings(split)] if split is not None and not per_epoch_order else []
         if cache_dir is None:
             cache_dir = os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)), "cache", "GPTDataset_indices")
         self.cache_dir = cache_dir
@@ -132,7 +139,7 @@ class GPTDataset:
             paths = self.upstream_paths
         elif not build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()) and not per_epoch_order:
             # No cache of ours after the barrier: the building rank accepted upstream's (it builds ours otherwise).
-            found, _ = find_upstream(indexed.prefix, cache_dir, self.upstream_description or "")
+            found, _ = find_upstream(indexed.prefix, cache_dir, self.upstream_descriptions)
             if found is not None:
                 paths, self.index_source = found, "upstream"
         missing = [p for p in paths.values() if not os.path.isfile(p)]
@@ -147,9 +154,9 @@ class GPTDataset:
     def _upstream_cache(self, cache_dir: str, log: Callable[[str], None]) -> dict | None:
         """Upstream's arrays for this run when a cache of them exists and checks out against the documents, else None
         (with one log line when a candidate was refused)."""
-        if self.upstream_description is None or self.per_epoch_order:
+        if not self.upstream_descriptions:
             return None
-        paths, why = find_upstream(self.indexed.prefix, cache_dir, self.upstream_description)
+        paths, why = find_upstream(self.indexed.prefix, cache_dir, self.upstream_descriptions)
         if paths is not None:
             arrays, why = load_upstream(paths, lambda a: check_upstream_arrays(
                 a, self.documents, self.indexed.sizes, self.num_samples, self.seq_length, self.num_epochs))

@@ -36,9 +36,30 @@ def upstream_dirs(prefix: str, data_cache_path: str | None) -> list[str]:
     return dirs + ([data_cache_path] if data_cache_path else [])
 
 
-def find_upstream(prefix: str, data_cache_path: str | None, description: str) -> tuple[dict[str, str] | None, str]:
-    """(paths of a complete upstream cache whose .dsc holds exactly ``description``, "") or (None, why not: empty
-    when there is no candidate at all)."""
+def split_spellings(split: str) -> list[str]:
+    """--split strings upstream may have hashed for this split: as given, and upstream's default spelling
+    "969, 30, 1" (with spaces) when the proportions are the default ones, for a run that never passed --split."""
+    from megatron.data.gpt_dataset import parse_split
+
+    return [split] + ([UPSTREAM_DEFAULT_SPLIT] if split != UPSTREAM_DEFAULT_SPLIT
+                      and parse_split(split) == parse_split(UPSTREAM_DEFAULT_SPLIT) else [])
+
+
+UPSTREAM_DEFAULT_SPLIT = "969, 30, 1"
+
+
+def find_upstream(prefix: str, data_cache_path: str | None, descriptions: list[str]
+                  ) -> tuple[dict[str, str] | None, str]:
+    """(paths of a complete upstream cache whose .dsc holds exactly one of ``descriptions``, "") or (None, why not:
+    empty when there is no candidate at all)."""
+    for description in descriptions:
+        paths, why = _find_one(prefix, data_cache_path, description)
+        if paths is not None or why:
+            return paths, why
+    return None, ""
+
+
+def _find_one(prefix: str, data_cache_path: str | None, description: str) -> tuple[dict[str, str] | None, str]:
     digest = hashlib.md5(description.encode("utf-8")).hexdigest()
     for d in upstream_dirs(prefix, data_cache_path):
         dsc = os.path.join(d, digest + ".dsc")

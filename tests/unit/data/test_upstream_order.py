@@ -194,3 +194,13 @@ def test_stale_upstream_cache_is_rebuilt_with_one_log_line(tmp_path, monkeypatch
     refused = [m for m in logs if "not reusing upstream's train index cache" in m]
     assert len(refused) == 1 and "describes another data set" in refused[0], logs
     assert train.index_source == "ours"
+
+
+def test_upstream_default_split_spelling_is_looked_for_too():
+    from megatron.data.upstream_cache import split_spellings
+
+    # Upstream's default --split is "969, 30, 1" (spaces), ours "969,30,1": a run that never passed --split hashed
+    # the former, so both are tried; other proportions only as given.
+    assert split_spellings("969,30,1") == ["969,30,1", "969, 30, 1"]
+    assert split_spellings("969, 30, 1") == ["969, 30, 1"]
+    assert split_spellings("90,7,3") == ["90,7,3"]
