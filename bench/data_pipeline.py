@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from megatron.data import helpers, index_build  # noqa: E402
 from megatron.data.reference import build_sample_idx_numpy  # noqa: E402
+from megatron.data.upstream_cache import check_upstream_arrays  # noqa: E402
 
 
 def _tool(name: str):
@@ -101,7 +102,7 @@ def bench_sample_idx(total_tokens: int, seq_lengths: list[int], repeats: int = 3
     return lines
 
 
-def bench_index_build(total_tokens: int, seq_lengths: list[int], epochs: list[float], repeats: int = 5) -> list[str]:
+def bench_index_build(total_tokens: int, seq_lengths: list[int], epochs: list[float], repeats: int = 9) -> list[str]:
     """Upstream's order (the default now) vs the per-epoch order (the default before, --per-epoch-doc-shuffle):
     the same build function the GPTDataset calls, alternated so both see the same machine load; best of repeats."""
     rng = np.random.default_rng(0)
@@ -121,9 +122,14 @@ def bench_index_build(total_tokens: int, seq_lengths: list[int], epochs: list[fl
                     t0 = time.perf_counter()
                     fn(documents, sizes, n, seq, 1234)
                     best[name] = min(best[name], time.perf_counter() - t0)
+            arrays = index_build.build_upstream_order(documents, sizes, n, seq, 1234)
+            epochs_n = index_build.num_epochs(tokens, seq, n)
+            check = _best_of(lambda a=arrays, n=n, seq=seq, e=epochs_n: check_upstream_arrays(
+                a, documents, sizes, n, seq, e), 3)
             lines.append(f"seq_length {seq:>5}, {ep:>4} epochs ({n:>10,} samples): upstream order "
                          f"{best['upstream'] * 1e3:8.1f} ms  per-epoch order {best['per-epoch'] * 1e3:8.1f} ms  "
-                         f"ratio {best['upstream'] / best['per-epoch']:.2f}x")
+                         f"ratio {best['upstream'] / best['per-epoch']:.2f}x  (checking an upstream cache "
+                         f"{check * 1e3:.1f} ms)")
     return lines
 
 
