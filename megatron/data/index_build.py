@@ -39,14 +39,17 @@ def separate_last_epoch(epochs: int, tokens_per_epoch: int, seq_length: int, num
 
 
 def _shuffled_epochs(documents: np.ndarray, epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    doc_idx = np.tile(documents.astype(np.int32), epochs)
+    # RandomState.shuffle draws the same swaps for any 1-D dtype; int64 takes numpy's faster pointer-sized path (and
+    # the sample index builder wants int64), so the int32 upstream stores is made only at the end.
+    doc_idx = np.tile(documents.astype(np.int64), epochs)
     rng.shuffle(doc_idx)
     return doc_idx
 
 
 def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate_last: bool) -> np.ndarray:
-    """int32[epochs * len(documents)]: the documents of all epochs shuffled together, or, with ``separate_last``,
-    those of all epochs but the last shuffled together followed by the last epoch shuffled on its own."""
+    """int64[epochs * len(documents)] (upstream stores it as int32): the documents of all epochs shuffled together,
+    or, with ``separate_last``, those of all epochs but the last shuffled together followed by the last epoch
+    shuffled on its own."""
     if not separate_last or epochs == 1:
         return _shuffled_epochs(documents, epochs, rng)
     return np.concatenate([_shuffled_epochs(documents, epochs - 1, rng), _shuffled_epochs(documents, 1, rng)])
@@ -75,7 +78,8 @@ def build_upstream_order(documents: np.ndarray, sizes: np.ndarray, num_samples: 
     total = samples_in(epochs, tokens_per_epoch, seq_length)
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length, total)
     first = samples_in(epochs - 1, tokens_per_epoch, seq_length) if separate else total
-    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": build_shuffle_idx(first, total, rng)}
+    return {"doc_idx": doc_idx.astype(np.int32), "sample_idx": sample_idx,
+            "shuffle_idx": build_shuffle_idx(first, total, rng)}
 
 
 def build_per_epoch_order(documents: np.ndarray, sizes: np.ndarray, num_samples: int, seq_length: int,

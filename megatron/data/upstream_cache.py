@@ -4,8 +4,8 @@
 Upstream names the files by the md5 of a short text description (prefix as given on the command line, split name,
 sample count, epochs, sequence length, seed, --split string) and looks for them in ``dirname(prefix)/index-cache``,
 then in --data-cache-path. That description says nothing of the data itself, so a cache that matches it is still
-checked against the documents before use (cheap O(samples) passes, no shuffle): the document counts of doc_idx, the
-token position of every sample start, and that shuffle_idx is a permutation of the right parts. Anything off is one
+checked against the documents before use (streaming O(samples) passes, no shuffle): doc_idx and shuffle_idx hold the
+right values in the right parts (bounds and sums), and every sample starts at its token position given the sizes. Anything off is one
 log line and our own build; an upstream file is never written to.
 """
 
@@ -87,13 +87,11 @@ def check_upstream_arrays(arrays: dict[str, np.ndarray], documents: np.ndarray, 
     separate = separate_last_epoch(epochs, tokens_per_epoch, seq_length, num_samples)
     if doc_idx.ndim != 1 or len(doc_idx) != epochs * n_docs:
         return f"doc_idx holds {len(doc_idx)} entries, not {epochs} epochs x {n_docs} documents"
-    parts = [doc_idx[: (epochs - 1) * n_docs], doc_idx[(epochs - 1) * n_docs:]] if separate else [doc_idx]
-    for part, times in zip(parts, [epochs - 1, 1] if separate else [epochs], strict=True):
-        local = np.asarray(part, dtype=np.int64) - begin
-        if local.size and (local.min() < 0 or local.max() >= n_docs):
-            return "doc_idx names documents outside this split"
-        if np.any(np.bincount(local, minlength=n_docs) != times):
-            return "doc_idx does not hold every document of the split once per epoch"
+    cut = (epochs - 1) * n_docs if separate else 0
+    for lo, hi in ((0, cut), (cut, epochs * n_docs)):  # each part: whole epochs of this split's documents
+        times = (hi - lo) // n_docs
+        if not _holds(doc_idx, lo, hi, begin, begin + n_docs, times * ((2 * begin + n_docs - 1) * n_docs // 2)):
+            return "doc_idx does not hold the documents of this split once per epoch"
     if sample_idx.shape != (total + 1, 2):
         return f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2)"
     if why := _check_sample_starts(doc_idx, sample_idx, sizes, seq_length):
@@ -101,22 +99,23 @@ def check_upstream_arrays(arrays: dict[str, np.ndarray], documents: np.ndarray, 
     if len(shuffle_idx) != total:
         return f"shuffle_idx holds {len(shuffle_idx)} samples, not {total}"
     first = samples_in(epochs - 1, tokens_per_epoch, seq_length) if separate else total
-    seen = np.zeros(total, dtype=bool)
-    for lo in range(0, total, _CHUNK):
-        chunk = np.asarray(shuffle_idx[lo: lo + _CHUNK], dtype=np.int64)
-        bound = (0, first) if lo + len(chunk) <= first else (first, total) if lo >= first else None
-        if bound is None:  # the chunk straddles the two parts
-            head, tail = chunk[: first - lo], chunk[first - lo:]
-            ok = (head.size == 0 or (head.min() >= 0 and head.max() < first)) and (
-                tail.size == 0 or (tail.min() >= first and tail.max() < total))
-        else:
-            ok = chunk.min() >= bound[0] and chunk.max() < bound[1]
-        if not ok:
+    for lo, hi in ((0, first), (first, total)):
+        if not _holds(shuffle_idx, lo, hi, lo, hi, (hi * (hi - 1) - lo * (lo - 1)) // 2):
             return "shuffle_idx is not a shuffle of the samples in upstream's parts"
-        seen[chunk] = True
-    if not seen.all():
-        return "shuffle_idx repeats samples"
     return ""
+
+
+def _holds(array: np.ndarray, lo: int, hi: int, low: int, high: int, total: int) -> bool:
+    """array[lo:hi] holds values in [low, high) that sum to ``total``: streaming passes only (no scatter, no copy of
+    the whole). Upstream's files are shuffles by construction and their order follows from the seed, so bounds and
+    sums are enough to tell a file of another split, epoch count or run, or a damaged one."""
+    seen = 0
+    for start in range(lo, hi, _CHUNK):
+        chunk = np.asarray(array[start: min(hi, start + _CHUNK)])
+        if chunk.min() < low or chunk.max() >= high:
+            return False
+        seen += int(chunk.sum(dtype=np.int64))
+    return seen == total
 
 
 def _check_sample_starts(doc_idx: np.ndarray, sample_idx: np.ndarray, sizes: np.ndarray, seq_length: int) -> str:
