@@ -5,8 +5,8 @@ Upstream names the files by the md5 of a short text description (prefix as given
 sample count, epochs, sequence length, seed, --split string) and looks for them in ``dirname(prefix)/index-cache``,
 then in --data-cache-path. That description says nothing of the data itself, so a cache that matches it is still
 checked against the documents before use (streaming O(samples) passes, no shuffle): doc_idx and shuffle_idx hold the
-right values in the right parts (bounds and sums), and every sample starts at its token position given the sizes. Anything off is one
-log line and our own build; an upstream file is never written to.
+right values in the right parts (bounds and sums), and every sample starts at its token position given the sizes.
+Anything off is one log line and our own build; an upstream file is never written to.
 """
 
 from __future__ import annotations
