@@ -128,8 +128,6 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
     g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
                    help="single: samples in index order; cyclic: upstream's random order per epoch (seeded by epoch)")
-    g.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
-                   help="cyclic loader: one permutation of all samples, rank r takes every DP-th (upstream's flag)")
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--per-epoch-doc-shuffle", action="store_true",
                    help="NOT upstream's order: shuffle each epoch's documents on its own (this project's order "

@@ -140,8 +140,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                                                t.eval_interval, t.eval_iters)
     train_ds, valid_ds = providers.datasets(args, run, num_samples)
     mbs, dp = t.micro_batch_size, pstate.dp
-    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed,
-               "data_sharding": args.data_sharding}
+    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
     train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading)
     gas = t.grad_accumulation_steps(dp.size)
     pipelined = is_pipeline(engine)

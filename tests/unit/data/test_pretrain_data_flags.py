@@ -1,6 +1,6 @@
 """pretrain() honours the data-loading flags: the sample counts it asks for are upstream's, --num-workers,
---dataloader-type, --no-data-sharding and --per-epoch-doc-shuffle reach the loaders and datasets, and each
-evaluation reads on where the previous one stopped."""
+--dataloader-type and --per-epoch-doc-shuffle reach the loaders and datasets, and each evaluation reads on where the
+previous one stopped."""
 
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
             "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--use-cpu-initialization",
             "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "corpus_a"),
             "--split", "90,7,3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-            "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic", "--no-data-sharding",
+            "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic",
             "--num-workers", "1", "--per-epoch-doc-shuffle"]
     out = run_distributed(_pretrain_recording, 1, timeout=240, argv=argv)[0]
     assert out["iterations"] == 4
     # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.
     assert out["asked"] == [(16, 12, 4)]
     train, *valid = out["calls"]
-    loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7, "data_sharding": False}
+    loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7}
     assert train == {"consumed": 0, "len": train["len"], "per_epoch": True, **loading}
     assert [v["consumed"] for v in valid] == [0, 4]  # evaluations at 2 and 4: the second reads on
     assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in valid)
