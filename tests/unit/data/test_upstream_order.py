@@ -91,7 +91,7 @@ def _global_batches(ds, kind: str, dp: int, consumed: int, sharding: bool, itera
         yield np.stack([np.concatenate([next(s)["text"].numpy() for _ in range(gas)]) for s in streams])
 
 
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["single", "cyclic", "cyclic_nosharding"])
 def test_global_batches_equal_upstreams(kind, dp, in_fixtures, tmp_path):
     want = np.load(os.path.join(FIXTURES, "batches.npz"))
@@ -102,9 +102,9 @@ def test_global_batches_equal_upstreams(kind, dp, in_fixtures, tmp_path):
     for it in (1, 2, 50):
         np.testing.assert_array_equal(got[it - 1], want[f"{kind}_dp{dp}_it{it}_tokens"].astype(np.int64),
                                       err_msg=f"iteration {it}")
-    # A resume at consumed = done x 8 samples gives what upstream's resumed sampler gives, which for these sizes
-    # is also what the uninterrupted run reads next.
-    for done in (1, 49):
+    # A resume at consumed = done x 8 samples (within and across cyclic epochs of 15 iterations) gives what upstream's
+    # resumed sampler gives, which for these sizes is also what the uninterrupted run reads next.
+    for done in META["batches"]["resume_at"]:
         resumed = next(_global_batches(ds, loader_kind, dp, done * 8, sharding, 1))
         index = want[f"{kind}_dp{dp}_resume{done}_index"]
         np.testing.assert_array_equal(resumed, np.stack([[ds[int(i)]["text"] for i in row] for row in index]))
