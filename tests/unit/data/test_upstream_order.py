@@ -121,27 +121,31 @@ def test_num_samples_per_split_are_upstreams():
     assert valid_consumed_samples(90, 30, 5, 8, dataset_len=60) == 0  # a shorter set (demo corpus) starts over
 
 
-def _copy_fixture_cache(tmp_path) -> str:
+def _copy_fixture_cache(tmp_path, folder: str = "index-cache") -> str:
     for f in ("corpus_a.bin", "corpus_a.idx"):
         shutil.copy(os.path.join(FIXTURES, f), tmp_path / f)
-    shutil.copytree(os.path.join(FIXTURES, "index-cache"), tmp_path / "index-cache")
-    return str(tmp_path / "index-cache")
+    shutil.copytree(os.path.join(FIXTURES, "index-cache"), tmp_path / folder)
+    return str(tmp_path / folder)
 
 
-def _upstream_train(logs, monkeypatch, tmp_path):
+def _upstream_train(logs, monkeypatch, tmp_path, data_cache_path: str | None = None):
     monkeypatch.chdir(tmp_path)
-    return _build("few_epochs_separate_last", str(tmp_path / "ours"), log=logs.append)[0]
+    return _build("few_epochs_separate_last", data_cache_path or str(tmp_path / "ours"), log=logs.append)[0]
 
 
-def test_upstream_index_cache_is_reused_read_only(tmp_path, monkeypatch):
-    cache = _copy_fixture_cache(tmp_path)
+@pytest.mark.parametrize("where", ["index-cache", "--data-cache-path"])
+def test_upstream_index_cache_is_reused_read_only(where, tmp_path, monkeypatch):
+    """Upstream looks in dirname(PREFIX)/index-cache, then in --data-cache-path: both are found; ours are written
+    beside upstream's files (in --data-cache-path) without touching them."""
+    cache = _copy_fixture_cache(tmp_path, "index-cache" if where == "index-cache" else "shared")
+    ours = str(tmp_path / "ours") if where == "index-cache" else cache
     before = {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
     built = []
     real = index_build.build_upstream_order
     monkeypatch.setattr("megatron.data.gpt_dataset.build_upstream_order",
                         lambda *a: built.append(a) or real(*a))
     logs: list[str] = []
-    train = _upstream_train(logs, monkeypatch, tmp_path)
+    train = _upstream_train(logs, monkeypatch, tmp_path, ours)
     assert train.index_source == "upstream"
     assert len(built) == 2  # valid and test were built; train came from upstream's files
     assert [m for m in logs if "reusing upstream's train indices" in m], logs
@@ -149,14 +153,16 @@ def test_upstream_index_cache_is_reused_read_only(tmp_path, monkeypatch):
     for key in ("doc_idx", "sample_idx", "shuffle_idx"):
         np.testing.assert_array_equal(np.asarray(getattr(train, key)), want[f"train_{key}"])
         assert os.path.dirname(getattr(train, key).filename) == cache  # memory-mapped in place, not copied
-    assert {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)} == before  # untouched
+    after = {f: open(os.path.join(cache, f), "rb").read() for f in before}
+    assert after == before  # untouched
+    if cache == ours:  # valid and test were built beside them, under our own names
+        assert len([f for f in os.listdir(cache) if f not in before and f.endswith(".npy")]) == 6
     # A rank that does not build finds the same files after the barrier.
     from megatron.data.gpt_dataset import GPTDataset
 
     m = META["few_epochs_separate_last"]
     other = GPTDataset("train", train.indexed, 0, len(train.documents), m["num_samples"][0], m["seq_length"],
-                       m["seed"], cache_dir=str(tmp_path / "ours"), build_on_this_rank=False, log=logs.append,
-                       split=m["split"])
+                       m["seed"], cache_dir=ours, build_on_this_rank=False, log=logs.append, split=m["split"])
     assert other.index_source == "upstream"
 
 
