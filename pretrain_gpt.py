@@ -72,7 +72,8 @@ def datasets_provider(args, run, num_samples):
         train, valid, _ = build_train_valid_test_datasets(
             args.data_path, args.split, seq, seed, (num_samples[0], num_samples[1], 0), args.data_cache_path,
             _tokenizer(args).vocab_size, barrier=dist.barrier if dist.is_initialized() else None,
-            build_on_this_rank=rank == 0, log=lambda m: print(m, flush=True) if rank == 0 else None)
+            build_on_this_rank=rank == 0, log=lambda m: print(m, flush=True) if rank == 0 else None,
+            per_epoch_order=args.per_epoch_doc_shuffle)
         return train, valid
     if args.demo_corpus:
         from megatron.data.demo_corpus import ByteWindowDataset

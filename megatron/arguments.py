@@ -135,8 +135,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
-    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
+                   help="single: samples in index order; cyclic: upstream's random order per epoch (seeded by epoch)")
     g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--per-epoch-doc-shuffle", action="store_true",
+                   help="NOT upstream's order: shuffle each epoch's documents on its own (this project's order "
+                        "before upstream's became the default); the same flags then read other samples")
     g = p.add_argument_group("layout dry run and placement")
     g.add_argument("--dry-run", action="store_true",
                    help="print where every rank lands and the memory per GCD, then exit (no GPU, no process group)")

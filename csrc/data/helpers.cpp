@@ -61,8 +61,10 @@ py::array_t<T> build_sample_idx_impl(const py::array_t<int32_t, py::array::c_sty
   return result;
 }
 
-// Greedy interleaving: sample i goes to the dataset furthest behind its weighted share, which keeps every prefix
-// of the blend within one sample of the target proportions and is deterministic (no RNG).
+// Greedy interleaving: sample i goes to the dataset furthest behind its weighted share of max(i, 1) samples (the
+// first dataset on a tie), which keeps every prefix of the blend within one sample of the target proportions and is
+// deterministic (no RNG). max(i, 1), not i + 1, is upstream Megatron's arithmetic: the same flags must give the
+// same blend there and here.
 py::tuple build_blending_indices(const py::array_t<double, py::array::c_style>& weights_, int64_t size) {
   auto weights = weights_.unchecked<1>();
   const int64_t n = weights.shape(0);
@@ -76,7 +78,7 @@ py::tuple build_blending_indices(const py::array_t<double, py::array::c_style>& 
   {
     py::gil_scoped_release release;
     for (int64_t i = 0; i < size; ++i) {
-      const double seen = static_cast<double>(i + 1);
+      const double seen = i > 1 ? static_cast<double>(i) : 1.0;
       int64_t best = 0;
       double best_gap = weights(0) * seen - static_cast<double>(taken[0]);
       for (int64_t d = 1; d < n; ++d) {
@@ -97,6 +99,9 @@ py::tuple build_blending_indices(const py::array_t<double, py::array::c_style>& 
 
 PYBIND11_MODULE(_helpers, m) {
   m.doc() = "Index builders for Megatron GPT datasets (sample index, blending index).";
+  // Bumped when a builder's result changes, so a stale build is refused (megatron/data/helpers.py) instead of
+  // silently giving the old arrays. 2: blending index as upstream's (max(i, 1)).
+  m.attr("VERSION") = 2;
   m.def("build_sample_idx_int32", &build_sample_idx_impl<int32_t>, py::arg("sizes"), py::arg("doc_idx"),
         py::arg("seq_length"), py::arg("num_samples"),
         "Sample index stored as int32; valid while every document position and offset fits in int32.");

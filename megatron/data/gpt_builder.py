@@ -12,8 +12,14 @@ from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
-# Each blended component gets this much more than its weighted share, so the greedy blend never runs short.
+# Each blended component gets this much more than its weighted share, so the greedy blend never runs short
+# (upstream's 0.5%; the blend then holds the sum of these counts, as upstream's does).
 _BLEND_MARGIN = 1.005
+
+
+def blend_num_samples(wanted: int, weights: Sequence[float]) -> list[int]:
+    """Samples asked of each blended data set for ``wanted`` in all: upstream's ceil(wanted x weight x 1.005)."""
+    return [int(math.ceil(wanted * w * _BLEND_MARGIN)) for w in weights]
 
 
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
@@ -67,12 +73,15 @@ def build_train_valid_test_datasets(
     barrier: Callable[[], None] | None = None,
     build_on_this_rank: bool = True,
     log: Callable[[str], None] = print,
+    per_epoch_order: bool = False,
 ) -> tuple:
     """(train, valid, test); each is a GPTDataset, a BlendableDataset, or None when that split gets no samples
     (num_samples 0, or no documents for valid/test). ``dataset[i]["text"]`` is int64[seq_length + 1].
 
     Multi-rank: pass ``build_on_this_rank = (rank == 0)`` and a ``barrier`` callable (e.g.
     ``torch.distributed.barrier``); rank 0 builds the index caches, then every rank loads them.
+
+    The order is upstream Megatron-DeepSpeed's for the same flags (``per_epoch_order``: our former order, opt-in).
     """
     weights, prefixes = parse_data_path(data_path)
     parse_split(split)  # a bad --split fails before any file is opened
@@ -88,18 +97,17 @@ def build_train_valid_test_datasets(
         if wanted <= 0:
             results.append(None)
             continue
-        parts, part_weights = [], []
-        for ds, weight in zip(indexed, weights, strict=True):
-            if weight == 0:
-                continue
+        counts = [wanted] if len(prefixes) == 1 else blend_num_samples(wanted, weights)
+        parts, part_weights, part_counts = [], [], []
+        for ds, weight, n in zip(indexed, weights, counts, strict=True):
             bounds = split_boundaries(split, ds.num_documents)
             begin, end = bounds[s], bounds[s + 1]
             if end <= begin:
-                if name == "train":
+                if name == "train" and weight > 0:
                     check_train_split(split, ds, begin, end)
                 log(f"warning: --split {split} gives {name} no documents of {ds.prefix}; it is left out of {name}")
                 continue
-            n = wanted if len(prefixes) == 1 else math.ceil(wanted * weight * _BLEND_MARGIN)
+            # A weight-0 data set stays in the blend, as upstream keeps it: the blending index depends on it on ties.
             gpt = GPTDataset(
                 name,
                 ds,
@@ -112,15 +120,18 @@ def build_train_valid_test_datasets(
                 barrier=barrier,
                 build_on_this_rank=build_on_this_rank,
                 log=log,
+                split=split,
+                per_epoch_order=per_epoch_order,
             )
             parts.append(gpt)
             part_weights.append(weight)
-        if not parts:
+            part_counts.append(n)
+        if not parts or sum(part_weights) <= 0:
             results.append(None)
         elif len(prefixes) == 1:
             results.append(parts[0])
         else:
-            results.append(BlendableDataset(parts, part_weights, wanted))
+            results.append(BlendableDataset(parts, part_weights, sum(part_counts)))
     return tuple(results)
 
 
@@ -133,10 +144,13 @@ def build_data_loader(
     num_workers: int = 0,
     dataloader_type: str = "single",
     seed: int = 0,
+    data_sharding: bool = True,
 ):
     """A torch DataLoader over this rank's micro-batches; batches are ``{"text": LongTensor[b, seq_length+1]}``.
 
-    ``dataloader_type`` is Megatron's: "single" (sequential, the default) or "cyclic" (shuffled per epoch).
+    ``dataloader_type`` is Megatron's: "single" (sequential, the default) or "cyclic" (shuffled per epoch; one pass
+    of the loader is one epoch). The batches are upstream's samplers' for the same consumed count.
+    ``seed`` seeds only the loader's worker generator (upstream's cyclic order does not depend on it).
     """
     import torch
 
@@ -146,7 +160,7 @@ def build_data_loader(
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     elif dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(
-            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size, seed=seed
+            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size, data_sharding=data_sharding
         )
     else:
         raise ConfigError(f"--dataloader-type {dataloader_type!r} must be 'single' or 'cyclic'")

@@ -1,9 +1,10 @@
 """GPTDataset: fixed-length samples of seq_length+1 tokens drawn from a document range of an IndexedDataset.
 
 Three index arrays make a sample O(1) to fetch and the order reproducible from (seed, description) alone:
-doc_idx (documents, shuffled per epoch), sample_idx (where each sample starts in doc_idx, built in C++) and
-shuffle_idx (sample order). They are cached as .npy files keyed by the md5 of the dataset description, which
-includes a content fingerprint of the .bin/.idx pair (megatron/data/fingerprint.py).
+doc_idx (documents of all epochs, shuffled), sample_idx (where each sample starts in doc_idx, built in C++) and
+shuffle_idx (sample order), built exactly as upstream Megatron-DeepSpeed builds them (megatron/data/index_build.py).
+They are cached as .npy files keyed by the md5 of the dataset description, which includes a content fingerprint of
+the .bin/.idx pair (megatron/data/fingerprint.py); upstream's own cache is reused (megatron/data/upstream_cache.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron.data.fingerprint import content_fingerprint
-from megatron.data.helpers import build_sample_idx
+from megatron.data.index_build import build_per_epoch_order, build_upstream_order, num_epochs
 from megatron.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron.data.upstream_cache import (
+    check_upstream_arrays,
+    find_upstream,
+    load_upstream,
+    split_spellings,
+    upstream_description,
+)
 from megatron.errors import ConfigError, DataError
 
 _INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
@@ -40,24 +48,25 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_boundaries(split: str, num_documents: int) -> list[int]:
-    """Document index boundaries ``[0, end_train, end_valid, num_documents]`` for --split."""
-    fractions = parse_split(split)
+    """Document index boundaries ``[0, end_train, end_valid, num_documents]`` for --split, as upstream computes
+    them: each boundary is the sum of the rounded split sizes, then all are shifted together so the last one equals
+    the document count (the rounding error goes to train's end, not to test)."""
     bounds = [0]
-    for f in fractions:
-        bounds.append(bounds[-1] + round(f * num_documents))
-    # Rounding can overshoot or undershoot by a document or two; the test split absorbs it.
-    bounds[-1] = num_documents
-    for i in (1, 2):
-        bounds[i] = min(bounds[i], num_documents)
-    return bounds
+    for f in parse_split(split):
+        bounds.append(bounds[-1] + int(round(f * float(num_documents))))
+    shift = bounds[-1] - num_documents
+    return [0] + [b - shift for b in bounds[1:]]
 
 
 class GPTDataset:
     """Samples of ``seq_length + 1`` tokens (inputs and shifted labels) that run across document boundaries.
 
-    The documents ``[doc_begin, doc_end)`` are repeated for as many epochs as ``num_samples`` needs. Index
-    arrays are built only where ``build_on_this_rank`` is true; every rank then calls ``barrier()`` (if given)
-    and loads them from ``cache_dir``, which must therefore be visible to all ranks.
+    The documents ``[doc_begin, doc_end)`` are repeated for as many epochs as ``num_samples`` needs, in upstream
+    Megatron-DeepSpeed's order (megatron/data/index_build.py) unless ``per_epoch_order``. Index arrays are built only
+    where ``build_on_this_rank`` is true; every rank then calls ``barrier()`` (if given) and loads them from
+    ``cache_dir``, which must therefore be visible to all ranks. An upstream cache for the same run (``split`` is the
+    --split string as given; the prefix is compared as given too, as upstream names its files by it) is used in
+    place of a build when it checks out against the documents (megatron/data/upstream_cache.py).
     """
 
     def __init__(
@@ -73,6 +82,8 @@ class GPTDataset:
         barrier: Callable[[], None] | None = None,
         build_on_this_rank: bool = True,
         log: Callable[[str], None] = print,
+        split: str | None = None,
+        per_epoch_order: bool = False,
     ) -> None:
         if seq_length <= 0:
             raise ConfigError(f"--seq-length {seq_length} must be positive")
@@ -84,11 +95,12 @@ class GPTDataset:
                 f"the {name} split of {indexed.prefix} (documents {doc_begin}..{doc_end}) holds "
                 f"{self.tokens_per_epoch} tokens, too few for one sample; use more data or change --split"
             )
-        need = num_samples * seq_length + 1
-        self.num_epochs = max(1, -(-need // self.tokens_per_epoch))
+        self.num_epochs = num_epochs(self.tokens_per_epoch, seq_length, num_samples)
+        self.num_samples, self.per_epoch_order = num_samples, per_epoch_order
         self.description = {
             "class": "GPTDataset",
-            "format": 1,  # bump when the index layout or the build algorithm changes
+            "format": 2,  # bump when the index layout or the build algorithm changes (2: upstream's order)
+            "order": "per-epoch" if per_epoch_order else "upstream",
             "prefix": os.path.abspath(indexed.prefix),
             "idx_bytes": os.path.getsize(index_file_path(indexed.prefix)),
             "content": content_fingerprint(indexed.prefix),  # a rewrite of the same size must not reuse the cache
@@ -100,22 +112,36 @@ class GPTDataset:
         }
         text = json.dumps(self.description, sort_keys=True)
         self.hash = hashlib.md5(text.encode("utf-8")).hexdigest()
+        # Upstream's own cache for this run, if one exists (only its order can be reused).
+        self.upstream_descriptions = [
+            upstream_description(indexed.prefix, name, num_samples, self.num_epochs, seq_length, seed, spelling)
+            for spelling in split_spellings(split)] if split is not None and not per_epoch_order else []
         if cache_dir is None:
             cache_dir = os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)), "cache", "GPTDataset_indices")
         self.cache_dir = cache_dir
         paths = {k: os.path.join(cache_dir, f"{self.hash}-{name}-{k}.npy") for k in _INDEX_NAMES}
 
+        self.index_source = "ours"
         if build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()):
-            _note_changed_content(cache_dir, self.description, log)
-            t0 = time.time()
-            arrays = self._build(seed)
-            _save_atomic(cache_dir, paths, arrays, text)
-            log(
-                f"built {name} indices for {indexed.prefix}: {len(arrays['shuffle_idx'])} samples, "
-                f"{self.num_epochs} epoch(s), in {time.time() - t0:.2f}s -> {cache_dir}"
-            )
+            arrays = self._upstream_cache(cache_dir, log)
+            if arrays is None:
+                _note_changed_content(cache_dir, self.description, log)
+                t0 = time.time()
+                arrays = self._build(seed)
+                _save_atomic(cache_dir, paths, arrays, text)
+                log(
+                    f"built {name} indices for {indexed.prefix}: {len(arrays['shuffle_idx'])} samples, "
+                    f"{self.num_epochs} epoch(s), in {time.time() - t0:.2f}s -> {cache_dir}"
+                )
         if barrier is not None:
             barrier()
+        if self.index_source == "upstream":
+            paths = self.upstream_paths
+        elif not build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()) and not per_epoch_order:
+            # No cache of ours after the barrier: the building rank accepted upstream's (it builds ours otherwise).
+            found, _ = find_upstream(indexed.prefix, cache_dir, self.upstream_descriptions)
+            if found is not None:
+                paths, self.index_source = found, "upstream"
         missing = [p for p in paths.values() if not os.path.isfile(p)]
         if missing:
             raise DataError(
@@ -125,22 +151,28 @@ class GPTDataset:
             )
         self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(paths[k], mmap_mode="r") for k in _INDEX_NAMES)
 
+    def _upstream_cache(self, cache_dir: str, log: Callable[[str], None]) -> dict | None:
+        """Upstream's arrays for this run when a cache of them exists and checks out against the documents, else None
+        (with one log line when a candidate was refused)."""
+        if not self.upstream_descriptions:
+            return None
+        paths, why = find_upstream(self.indexed.prefix, cache_dir, self.upstream_descriptions)
+        if paths is not None:
+            arrays, why = load_upstream(paths, lambda a: check_upstream_arrays(
+                a, self.documents, self.indexed.sizes, self.num_samples, self.seq_length, self.num_epochs))
+            if arrays is not None:
+                self.index_source, self.upstream_paths = "upstream", paths
+                log(f"reusing upstream's {self.name} indices for {self.indexed.prefix}: {paths['doc_idx']} (and "
+                    f"its _sample_idx/_shuffle_idx)")
+                return arrays
+            why = f"{paths['doc_idx']} and its siblings: {why}"
+        if why:
+            log(f"not reusing upstream's {self.name} index cache ({why}): rebuilding it in {cache_dir}")
+        return None
+
     def _build(self, seed: int) -> dict[str, np.ndarray]:
-        rng = np.random.RandomState(seed)
-        # Each epoch is its own permutation, so every document is seen once before any is repeated.
-        doc_idx = np.concatenate([rng.permutation(self.documents) for _ in range(self.num_epochs)])
-        total_tokens = self.num_epochs * self.tokens_per_epoch
-        num_samples = (total_tokens - 1) // self.seq_length
-        sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, num_samples)
-        # Shuffle samples of the complete epochs apart from those of the last one (often partial), so the
-        # samples a run actually consumes cover the complete epochs rather than a random mix of all.
-        full = max(((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length, 0)
-        dtype = np.uint32 if num_samples < np.iinfo(np.uint32).max else np.int64
-        head = np.arange(full, dtype=dtype)
-        tail = np.arange(full, num_samples, dtype=dtype)
-        rng.shuffle(head)
-        rng.shuffle(tail)
-        return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": np.concatenate([head, tail])}
+        build = build_per_epoch_order if self.per_epoch_order else build_upstream_order
+        return build(self.documents, self.indexed.sizes, self.num_samples, self.seq_length, seed)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)

@@ -10,6 +10,7 @@ import numpy as np
 from megatron.errors import DataError
 
 _INT32_MAX = np.iinfo(np.int32).max
+HELPERS_VERSION = 2  # csrc/data/helpers.cpp's VERSION
 BUILD_HINT = (
     "the C++ data helpers (megatron.data._helpers) are not built: run `pip install -e .` or "
     "`python setup.py build_ext --inplace` in the repository root"
@@ -21,9 +22,13 @@ def load_helpers():
     try:
         # import_module, not `from megatron.data import _helpers`: the latter is satisfied by the package
         # attribute once any earlier import succeeded, so a test that hides the module would see nothing.
-        return importlib.import_module("megatron.data._helpers")
+        module = importlib.import_module("megatron.data._helpers")
     except ImportError as e:
         raise DataError(f"{BUILD_HINT} ({e})") from None
+    if getattr(module, "VERSION", 1) != HELPERS_VERSION:
+        raise DataError(f"megatron.data._helpers is stale (version {getattr(module, 'VERSION', 1)}, the sources are "
+                        f"at {HELPERS_VERSION}): rebuild it with `python setup.py build_ext --inplace`")
+    return module
 
 
 def sample_idx_needs_int64(sizes: np.ndarray, doc_idx: np.ndarray) -> bool:

@@ -31,13 +31,13 @@ def build_sample_idx_numpy(
 
 
 def build_blending_indices_numpy(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy weighted interleaving: each sample goes to the dataset furthest below its share so far."""
+    """Greedy weighted interleaving: sample i goes to the dataset furthest below its share of max(i, 1) samples."""
     weights = np.asarray(weights, dtype=np.float64)
     taken = np.zeros(len(weights), dtype=np.int64)
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
     for i in range(size):
-        d = int(np.argmax(weights * (i + 1) - taken))  # argmax keeps the first on ties, as the C++ loop does
+        d = int(np.argmax(weights * max(i, 1) - taken))  # argmax keeps the first on ties, as the C++ loop does
         dataset_index[i] = d
         dataset_sample_index[i] = taken[d]
         taken[d] += 1

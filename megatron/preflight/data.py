@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from megatron.config import RunConfig
-from megatron.errors import DataError, warn_once
+from megatron.errors import ConfigError, DataError, warn_once
 
 # More epochs than this over the train split is legal but rarely meant (a small corpus, a long run): say so.
 MANY_EPOCHS = 4
@@ -23,6 +23,9 @@ def check_data(args: argparse.Namespace, run: RunConfig) -> None:
     from megatron.data.indexed_dataset import IndexedDataset
 
     if not getattr(args, "data_path", None):
+        if getattr(args, "per_epoch_doc_shuffle", False):  # mock/demo data have no document order to change
+            raise ConfigError("--per-epoch-doc-shuffle orders the documents of --data-path: drop it, or give "
+                              "--data-path")
         return
     weights, prefixes = parse_data_path(args.data_path)
     parse_split(args.split)

@@ -3,7 +3,8 @@
 Global batch k holds samples [k*GBS, (k+1)*GBS) whatever the layout; within each step of
 ``micro_batch_size * DP`` samples, DP rank d takes a contiguous block of ``micro_batch_size``
 (Megatron's MegatronPretrainingSampler order, see megatron/data/samplers.py). So DP=1 and DP=n
-train on the same global batches, and TP peers load the same samples.
+train on the same global batches, and TP peers load the same samples. ``dataloader_type="cyclic"`` is upstream's
+random order, and its stream goes on over epochs as upstream's ``cyclic_iter`` does.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from megatron.data.gpt_builder import build_data_loader
 
 def microbatches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  device: str | None = None, num_workers: int = 0, dataloader_type: str = "single",
-                 seed: int = 0) -> Iterator[dict]:
+                 seed: int = 0, data_sharding: bool = True) -> Iterator[dict]:
     device = device or get_accelerator().current_device_name()
     loader = build_data_loader(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers,
-                               dataloader_type, seed)
-    for batch in loader:
-        yield {k: v.to(device) for k, v in batch.items()}
+                               dataloader_type, seed, data_sharding)
+    while True:
+        for batch in loader:
+            yield {k: v.to(device) for k, v in batch.items()}
+        if dataloader_type != "cyclic":  # single: one pass; cyclic: the sampler has moved on to the next epoch
+            return

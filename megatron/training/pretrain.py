@@ -22,6 +22,7 @@ from megatron.checkpointing.support import check_supported as check_checkpoint_s
 from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
+from megatron.data.num_samples import train_valid_test_num_samples, valid_consumed_samples
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
@@ -138,10 +139,12 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     t = run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
-    eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
-    train_ds, valid_ds = providers.datasets(args, run, (t.train_iters * gbs, eval_runs * t.eval_iters * gbs))
+    num_samples = train_valid_test_num_samples(t.train_iters, getattr(args, "train_samples", None), gbs,
+                                               t.eval_interval, t.eval_iters)
+    train_ds, valid_ds = providers.datasets(args, run, num_samples)
     mbs, dp = t.micro_batch_size, pstate.dp
-    train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size)
+    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
+    train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading)
     gas = t.grad_accumulation_steps(dp.size)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
@@ -176,7 +179,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         logger.iteration(it, loss, res, consumed)
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
         if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
-            valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
+            seen = valid_consumed_samples(it, t.eval_interval, t.eval_iters, gbs, len(valid_ds))
+            valid = microbatches(valid_ds, seen, mbs, dp.rank, dp.size, **loading)
             if pipelined:
                 valid = pipe_microbatches(valid)
                 loss = sum(pipe_evaluate_batch(engine, valid) for _ in range(t.eval_iters)) / t.eval_iters

@@ -151,6 +151,16 @@ def test_missing_extension_says_how_to_build(monkeypatch):
         helpers.build_sample_idx(np.array([4], np.int32), np.array([0]), 2, 1)
 
 
+def test_stale_extension_says_how_to_rebuild(monkeypatch):
+    # A build from before the blending index became upstream's has no VERSION: refused, not silently used.
+    import types
+
+    monkeypatch.setitem(sys.modules, "megatron.data._helpers", types.ModuleType("megatron.data._helpers"))
+    with pytest.raises(DataError, match=r"is stale \(version 1, the sources are at 2\): rebuild it with `python "
+                                        r"setup\.py build_ext --inplace`"):
+        helpers.build_blending_indices(np.array([0.5, 0.5]), 4)
+
+
 def test_tokenizer_flags(tmp_path):
     with pytest.raises(ConfigError, match=r"--vocab-file .*nope\.json not found; make one with tools/train_tokenizer"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file="m.txt")

@@ -65,6 +65,14 @@ def test_blending_indices_match_reference(weights):
     np.testing.assert_array_equal(got[1], want[1])
 
 
+def test_blending_index_is_upstreams_greedy_rule():
+    # Sample i goes to the dataset with the largest w * max(i, 1) - taken (upstream's helpers.cpp), the first on a
+    # tie. By hand for (0.2, 0.8): i=0 and i=1 both use 1: 1 (gaps .2 .8), then 0 (.2 -.2); i=2: 1 (-.6 .6);
+    # i=3: 1 (-.4 .4); i=4: 1 (-.2 .2); i=5: a tie (0 0) -> 0. A rule using i + 1 would give 1, 1, 0, ...
+    index, sample = helpers.build_blending_indices(np.array([0.2, 0.8]), 6)
+    assert index.tolist() == [1, 0, 1, 1, 1, 0] and sample.tolist() == [0, 0, 1, 2, 3, 1]
+
+
 class _Constant:
     """A stand-in dataset whose samples say which dataset they came from."""
 

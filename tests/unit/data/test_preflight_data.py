@@ -79,3 +79,11 @@ def test_many_epochs_warned_once_per_job(tiny_prefix, gpt2_flags, monkeypatch, c
     assert rc is None and "WARNING" not in out
     rc, err, out = run_until_process_group(with_flag(argv, "--train-iters", "2"), monkeypatch, capsys)
     assert rc is None and "WARNING" not in out  # 2 epochs: not worth a warning
+
+
+def test_per_epoch_doc_shuffle_without_data_path_is_refused(monkeypatch, capsys):
+    # Mock data has no documents to order: the flag would be silently ignored, so it is refused before any group.
+    rc, err, out = run_until_process_group([*BASE, "--per-epoch-doc-shuffle"], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "--per-epoch-doc-shuffle orders the documents of --data-path")
+    rc, err, out = run_until_process_group(list(BASE), monkeypatch, capsys)
+    assert rc is None  # the same flags without it reach the process group

@@ -1,0 +1,55 @@
+"""pretrain() honours the data-loading flags: the sample counts it asks for are upstream's, --num-workers,
+--dataloader-type and --per-epoch-doc-shuffle reach the loaders and datasets, and each evaluation reads on where the
+previous one stopped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from tests.launcher import run_distributed
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
+                        "upstream_data")
+
+
+def _pretrain_recording(argv: list[str]) -> dict:
+    import pretrain_gpt
+    from megatron.training import pretrain as pt
+
+    calls, asked = [], []
+    real_microbatches, real_datasets = pt.microbatches, pretrain_gpt.datasets_provider
+
+    def microbatches(dataset, consumed, *args, **kwargs):
+        calls.append({"consumed": consumed, "len": len(dataset), "per_epoch": dataset.per_epoch_order, **kwargs})
+        return real_microbatches(dataset, consumed, *args, device="cpu", **kwargs)
+
+    def datasets(args, run, num_samples):
+        asked.append(tuple(num_samples))
+        return real_datasets(args, run, num_samples)
+
+    pt.microbatches = microbatches
+    summary = pt.pretrain(argv, pt.Providers(pretrain_gpt.model_provider, datasets, pretrain_gpt.forward_step,
+                                             pretrain_gpt.vocab_size))
+    return {"calls": calls, "asked": asked, "iterations": summary["iterations"]}
+
+
+def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
+    for f in ("corpus_a.bin", "corpus_a.idx"):
+        shutil.copy(os.path.join(FIXTURES, f), tmp_path / f)
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
+            "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--use-cpu-initialization",
+            "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "corpus_a"),
+            "--split", "90,7,3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+            "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic",
+            "--num-workers", "1", "--per-epoch-doc-shuffle"]
+    out = run_distributed(_pretrain_recording, 1, timeout=240, argv=argv)[0]
+    assert out["iterations"] == 4
+    # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.
+    assert out["asked"] == [(16, 12, 4)]
+    train, *valid = out["calls"]
+    loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7}
+    assert train == {"consumed": 0, "len": train["len"], "per_epoch": True, **loading}
+    assert [v["consumed"] for v in valid] == [0, 4]  # evaluations at 2 and 4: the second reads on
+    assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in valid)
