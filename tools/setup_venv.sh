@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse the project's virtual environment at .venv/ and install the package into it.
 # Sourced by examples/local/demo_cpu.sh and tests/run.sh, so each of those is one command on a fresh machine.
-# Re-installs only when setup.py / pyproject.toml change (a stamp file records their hash).
+# Re-installs only when setup.py / pyproject.toml / the C++ data helpers change (a stamp file records their hash).
 #
 # torch: if the venv has none, `torch==2.13.0` is installed (the CPU wheel on the project's machines).
 # On Frontier, install ROCm torch into the environment first (see README); it is then left alone.
@@ -12,7 +12,7 @@ if [ ! -x "$_venv/bin/python" ]; then
   echo "setup: creating $_venv"
   "${PYTHON_FOR_VENV:-python3}" -m venv "$_venv"
 fi
-_want="$(cat "$_root/setup.py" "$_root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+_want="$(cat "$_root/setup.py" "$_root/pyproject.toml" "$_root/csrc/data/helpers.cpp" | sha256sum | cut -d' ' -f1)"
 _stamp="$_venv/.megatron-frontier-stamp"
 if [ "$(cat "$_stamp" 2>/dev/null || true)" != "$_want" ] || ! "$_venv/bin/python" -c "import megatron.data._helpers" 2>/dev/null; then
   echo "setup: installing megatron-frontier into $_venv (first run takes a few minutes)"
