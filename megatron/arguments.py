@@ -85,14 +85,22 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam = AdamW (upstream's FusedAdam default); the JSON 'optimizer' section is not used")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--cpu-optimizer", action="store_true", help="DeepSpeed's CPU Adam (for ZeRO-Offload)")
+    g.add_argument("--cpu_torch_adam", "--cpu-torch-adam", dest="cpu_torch_adam", action="store_true",
+                   help="with --cpu-optimizer: torch's AdamW instead of DeepSpeed's CPU Adam")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    # Loss-scale flags default to None (= not given): under --fp16 they fill what the DeepSpeed JSON leaves out.
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="default 2**32 (a power of 2)")
+    g.add_argument("--min-loss-scale", type=float, default=None, help="default 1")
+    g.add_argument("--loss-scale-window", type=int, default=None, help="default 1000")
+    g.add_argument("--hysteresis", type=int, default=None, help="default 2")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
@@ -235,8 +243,10 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                   lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                   lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
                                   clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                  adam_eps=args.adam_eps),
-        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, initial_loss_scale=args.initial_loss_scale,
+                                  adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam),
+        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+                                  initial_loss_scale=args.initial_loss_scale,
                                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                                   min_loss_scale=args.min_loss_scale),
         training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -205,9 +205,23 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adam"
+    """'adam' (AdamW, as upstream's default FusedAdam with adam_w_mode) or 'sgd' (with ``sgd_momentum``)."""
+    sgd_momentum: float = 0.9
+    cpu_optimizer: bool = False
+    """--cpu-optimizer: DeepSpeed's CPU Adam (AdamW mode), as upstream; also used for ZeRO-Offload JSONs."""
+    cpu_torch_adam: bool = False
+    """--cpu_torch_adam: with --cpu-optimizer, torch's AdamW instead of DeepSpeed's CPU Adam (as upstream)."""
 
     def validate(self) -> None:
         """Refuse what torch's AdamW would only refuse after the model is built (a traceback, then)."""
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose adam or sgd")
+        if self.cpu_optimizer and self.optimizer != "adam":
+            raise ConfigError("--cpu-optimizer with --optimizer sgd: CPU offloading is for Adam (as upstream); "
+                              "drop one of them")
+        if self.cpu_torch_adam and not self.cpu_optimizer:
+            raise ConfigError("--cpu_torch_adam without --cpu-optimizer: add --cpu-optimizer or drop it")
         bad = []
         for flag, value, ok, want in (
                 ("--lr", self.lr, self.lr >= 0, ">= 0"), ("--min-lr", self.min_lr, self.min_lr >= 0, ">= 0"),
@@ -215,6 +229,7 @@ class OptimizerConfig:
                 ("--adam-beta2", self.adam_beta2, 0 <= self.adam_beta2 < 1, "in [0, 1)"),
                 ("--adam-eps", self.adam_eps, self.adam_eps > 0, "> 0"),
                 ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                ("--sgd-momentum", self.sgd_momentum, self.sgd_momentum >= 0, ">= 0"),
                 ("--clip-grad", self.clip_grad, self.clip_grad >= 0, ">= 0 (0 disables clipping)")):
             if not ok or value != value:  # value != value: NaN passes every comparison above
                 bad.append(f"{flag} {value:g} must be {want}")
@@ -225,12 +240,17 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
+    """The loss-scale fields are the flags as given (None: not on the command line). Under --fp16 they fill
+    what the DeepSpeed JSON leaves out (megatron/engine.py); with bf16/fp32 they have no effect."""
+
     fp16: bool = False
     bf16: bool = False
-    initial_loss_scale: float = 2.0**32
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    loss_scale: float | None = None
+    """--loss-scale: a static loss scale (None: dynamic)."""
+    initial_loss_scale: float | None = None
+    loss_scale_window: int | None = None
+    hysteresis: int | None = None
+    min_loss_scale: float | None = None
 
     def validate(self) -> None:
         if self.fp16 and self.bf16:

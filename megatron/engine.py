@@ -3,7 +3,10 @@
 
 The CLI is the single source of truth. A user's ``--deepspeed_config`` may add DeepSpeed knobs, but a
 batch size, clipping, precision or ZeRO stage that disagrees with the flags is refused with a message
-naming both values, never silently resolved.
+naming both values, never silently resolved. Every key of the JSON is honoured, an accepted no-op (said
+once in the log) or refused before the process group: megatron/compat/ds_config_keys.py classes them.
+The fp16 loss-scale keys are the exception upstream made: the JSON wins over a contradicting flag, with a
+warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (one log line each).
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron.compat import ds_json
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.training.lr_schedule import OptimizerParamScheduler
-from megatron.training.optimizer import make_adamw
+from megatron.training.optimizer import make_optimizer
 
+NOTES_KEY = "megatron_notes"  # log lines for rank 0, stripped before DeepSpeed sees the config
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepspeed_configs")
 
 
@@ -67,10 +72,16 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     else:
         cfg = load_ds_config(template_path(p.zero_stage, prec.name))
     cfg = copy.deepcopy(cfg)
-    for section in ("optimizer", "scheduler"):
-        if section in cfg:
-            raise ConfigError(f"{source} has an '{section}' section: remove it; the optimizer and LR schedule "
-                              "come from --lr, --min-lr, --lr-decay-style, --weight-decay, --adam-* flags")
+    notes = ds_json.apply_table(cfg, source)  # unknown and refused keys stop here, before any process group
+    notes = notes if user_config else []  # our own template's keys need no word
+    accel_cpu = get_accelerator().device_name() == "cpu"
+    ds_json.check_offload(cfg, o, p.zero_stage, accel_cpu, source)
+    offload = ds_json.offload_device(cfg) == "cpu"
+    if (offload or o.cpu_optimizer or o.optimizer != "adam") and p.zero_hierarchy:
+        raise ConfigError("--zero-hierarchy runs its own AdamW: drop --optimizer sgd / --cpu-optimizer / "
+                          "offload_optimizer, or --zero-hierarchy")
+    notes += ds_json.optimizer_note(cfg, o, offload)
+    ds_json.check_monitors(cfg, source)
 
     gas = t.grad_accumulation_steps(p.dp)
     _agree(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", source)
@@ -112,14 +123,20 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     if prec.fp16 and not get_accelerator().is_fp16_supported():
         raise ConfigError(f"--fp16: DeepSpeed does not support fp16 on this {get_accelerator().device_name()} device; "
                           "use --bf16 (advised on MI250X) or neither for fp32")
-    if prec.fp16:
-        # Dynamic loss scale (loss_scale 0) from the Megatron flags.
-        cfg["fp16"].update(loss_scale=0, initial_scale_power=int(round(torch.log2(
-            torch.tensor(prec.initial_loss_scale)).item())), loss_scale_window=prec.loss_scale_window,
-            hysteresis=prec.hysteresis, min_loss_scale=prec.min_loss_scale)
-    cfg["zero_allow_untested_optimizer"] = True  # our AdamW is torch's own
+    notes += ds_json.fp16_loss_scale(cfg, prec, source, user_json=bool(user_config))
+    ds_json.check_loss_scale_values(cfg, source)
+    # Upstream's FusedAdam is on DeepSpeed's tested list; torch's AdamW/SGD are the same updates.
+    cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 10**9)
+    cfg[NOTES_KEY] = notes
     return cfg
+
+
+def log_notes(ds_config: dict, rank: int) -> None:
+    """Print build_ds_config's notes (no-op keys, unused sections, warnings) once, on rank 0."""
+    if rank == 0:
+        for line in ds_config.get(NOTES_KEY, ()):
+            print(line, flush=True)
 
 
 def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
@@ -185,12 +202,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     if hcfg is not None:  # our own sharded engine; DeepSpeed never sees the section
         return hierarchical_zero.create_engine(
             model, run, pstate, hcfg,
-            lambda groups: make_adamw(groups, o, weight_decay=o.weight_decay),
+            lambda groups: make_optimizer(groups, o, weight_decay=o.weight_decay),
             lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
-    ds_config = {k: v for k, v in ds_config.items() if k != hierarchical_zero.SECTION}
-    # Fused AdamW on an accelerator (megatron/training/optimizer.py); host-offloaded states stay unfused.
-    offload = (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
-    optimizer = make_adamw(param_groups(model, o.weight_decay), o, device_type="cpu" if offload == "cpu" else None)
+    ds_config = {k: v for k, v in ds_config.items() if k not in (hierarchical_zero.SECTION, NOTES_KEY)}
+    # From the flags, as upstream (megatron/training/optimizer.py); ZeRO-Offload steps on the host.
+    offload = ds_json.offload_device(ds_config) == "cpu"
+    optimizer = make_optimizer(param_groups(model, o.weight_decay), o, offload=offload)
     scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
