@@ -56,6 +56,22 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--checkpoint-activations", action="store_true", help="= --recompute-granularity full")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform = checkpoints of --recompute-num-layers layers each; block = only "
+                        "the first --recompute-num-layers layers (default: every layer, one checkpoint each)")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="with full recompute: checkpoints of --checkpoint-num-layers layers, as upstream")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None,
+                   help="layers per checkpoint under --deepspeed-activation-checkpointing (default 1)")
+    g.add_argument("--partition-activations", "--distribute-saved-activations", "--distribute-checkpointed-activations",
+                   dest="partition_activations", action="store_true",
+                   help="keep 1/TP of each checkpointed input, all-gathered for the recompute")
+    g.add_argument("--checkpoint-in-cpu", action="store_true", help="keep checkpointed inputs in host memory")
+    g.add_argument("--synchronize-each-layer", action="store_true",
+                   help="accelerator synchronize around each checkpoint's forward and backward")
+    g.add_argument("--profile-backward", action="store_true", help="print each checkpoint's forward/backward time")
+    g.add_argument("--contigious-checkpointing", "--contiguous-checkpointing", dest="contiguous_checkpointing",
+                   action="store_true", help="accepted, no effect: checkpoints are not packed into one buffer")
     g.add_argument("--use-flash-attn", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
                    help="the HIP flash-attention kernel (csrc/), when built")
     g.add_argument("--use-flash-attn-triton", action="store_true")
@@ -203,12 +219,15 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     overrides = {k: v for k, v in overrides.items() if v is not None}
     granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else
                                                  "selective" if args.recompute_activations else None)
+    recompute_layers, chunk = _recompute_layout(args, granularity)
     common = dict(
         vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
-        recompute_granularity=granularity, recompute_num_layers=args.recompute_num_layers,
+        recompute_granularity=granularity, recompute_num_layers=recompute_layers, checkpoint_chunk_layers=chunk,
+        recompute_partition=args.partition_activations, recompute_on_cpu=args.checkpoint_in_cpu,
+        recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
         torch_compile=args.torch_compile,
     )
@@ -218,6 +237,45 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     if missing:
         raise ConfigError(f"{', '.join(missing)} not given: pass the model shape or --model-size NAME")
     return ModelConfig(**overrides, **common)
+
+
+def _recompute_layout(args: argparse.Namespace, granularity: str | None) -> tuple[int | None, int]:
+    """(layers recomputed, layers per checkpoint) with upstream's meaning of the recompute flags.
+
+    Upstream's full recompute takes --deepspeed-activation-checkpointing's branch first (checkpoints of
+    --checkpoint-num-layers over all layers), else --recompute-method: uniform = checkpoints of
+    --recompute-num-layers over all layers, block = the first --recompute-num-layers layers one by one."""
+    if args.recompute_method is not None and granularity != "full":
+        raise ConfigError(f"--recompute-method {args.recompute_method} applies to full recompute only (as upstream): "
+                          "add --recompute-granularity full (or --checkpoint-activations), or drop it")
+    if granularity == "full" and args.deepspeed_activation_checkpointing:
+        return None, args.checkpoint_num_layers or 1
+    if args.recompute_method == "uniform":
+        return None, args.recompute_num_layers or 1
+    if args.recompute_method == "block":
+        return args.recompute_num_layers or 1, 1
+    return args.recompute_num_layers, 1
+
+
+def recompute_notes(args: argparse.Namespace, granularity: str | None) -> list[str]:
+    """Recompute flags that are provable no-ops for this command line (as upstream), said once in the log."""
+    notes, full = [], granularity == "full"
+    if args.deepspeed_activation_checkpointing and not full:
+        notes.append("--deepspeed-activation-checkpointing: nothing is recomputed without --checkpoint-activations "
+                     "or --recompute-granularity full (as upstream)")
+    if args.checkpoint_num_layers is not None and not (full and args.deepspeed_activation_checkpointing):
+        notes.append("--checkpoint-num-layers has no effect without --deepspeed-activation-checkpointing and full "
+                     "recompute (as upstream; --recompute-method uniform --recompute-num-layers N is the same)")
+    for flag, given in (("--partition-activations", args.partition_activations),
+                        ("--checkpoint-in-cpu", args.checkpoint_in_cpu),
+                        ("--synchronize-each-layer", args.synchronize_each_layer),
+                        ("--profile-backward", args.profile_backward)):
+        if given and not full:
+            notes.append(f"{flag} has no effect: nothing is recomputed without full recompute")
+    if args.contiguous_checkpointing:
+        notes.append("--contigious-checkpointing has no effect: it only packs DeepSpeed's partitions into one buffer "
+                     "(allocator layout); each checkpointed input is its own tensor here")
+    return ["> " + n for n in notes]
 
 
 def attention_backend(args: argparse.Namespace) -> str:
@@ -254,4 +312,5 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                 eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
                                 tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops),
     )
+    run.notes = recompute_notes(args, run.model.recompute_granularity)
     return run.validate()

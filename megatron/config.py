@@ -52,6 +52,19 @@ class ModelConfig:
     recompute_granularity: str | None = None
     """None, 'full' or 'selective'."""
     recompute_num_layers: int | None = None
+    """How many layers (per pipeline stage) get full recompute, the first ones; None: all."""
+    checkpoint_chunk_layers: int = 1
+    """Layers recomputed as one checkpoint (upstream's --recompute-method uniform with --recompute-num-layers N,
+    or --deepspeed-activation-checkpointing with --checkpoint-num-layers N): only every N-th layer input is kept."""
+    recompute_partition: bool = False
+    """Keep 1/TP of each checkpointed input (--partition-activations, --distribute-saved-activations, JSON
+    activation_checkpointing.partition_activations); all-gathered for the recompute."""
+    recompute_on_cpu: bool = False
+    """Keep checkpointed inputs in host memory (--checkpoint-in-cpu, JSON cpu_checkpointing)."""
+    recompute_synchronize: bool = False
+    """Accelerator synchronize around each checkpoint (--synchronize-each-layer, synchronize_checkpoint_boundary)."""
+    recompute_profile: bool = False
+    """Print each checkpoint's forward/backward time on rank 0 (--profile-backward, JSON profile)."""
     bias_gelu_fusion: bool = True
     """With --compile, fc1 skips its bias add and GeLU(y + bias) runs as one function that torch.compile
     fuses into one kernel (megatron/model/fusions.py), as Megatron's default (--no-bias-gelu-fusion turns it
@@ -142,6 +155,8 @@ class ModelConfig:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
+        if self.checkpoint_chunk_layers < 1 or (self.recompute_num_layers or 1) < 1:
+            raise ConfigError("--checkpoint-num-layers / --recompute-num-layers must be >= 1")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -302,6 +317,8 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    notes: list[str] = field(default_factory=list)
+    """Flags accepted as provable no-ops for this run: printed once on rank 0 (megatron/engine.py log_notes)."""
 
     def validate(self) -> RunConfig:
         self.parallel.validate()

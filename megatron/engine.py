@@ -108,7 +108,7 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
                 raise ConfigError(f"{source} sets pipeline.{key}=true, which corrupts activations with "
                                   "--sequence-parallel: drop the key or --sequence-parallel")
             pipe_cfg[key] = False
-    _activation_checkpointing(cfg, run, source)
+    notes += _activation_checkpointing(cfg, run, source)
 
     for name in ("fp16", "bf16"):
         enabled_in_json = bool(cfg.get(name, {}).get("enabled", False))
@@ -128,7 +128,7 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     # Upstream's FusedAdam is on DeepSpeed's tested list; torch's AdamW/SGD are the same updates.
     cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 10**9)
-    cfg[NOTES_KEY] = notes
+    cfg[NOTES_KEY] = run.notes + notes
     return cfg
 
 
@@ -159,15 +159,16 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
                source)
 
 
-def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
+def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[str]:
     """Honour DeepSpeed's activation-checkpointing keys through our own RNG-exact recompute.
 
     ``pipeline.activation_checkpoint_interval`` > 0 means full recompute (our layers checkpoint themselves,
     so the engine's own interval is zeroed: DeepSpeed's checkpoint would not replay our TP RNG tracker).
-    ``partition_activations`` / ``cpu_checkpointing`` are refused: our checkpoint keeps each layer's input
-    whole on the device, and DeepSpeed's partitioned variant corrupts a residual around the call.
+    ``activation_checkpointing`` keys mean what DeepSpeed's checkpointing does with them (see
+    megatron/core/tensor_parallel/recompute.py CheckpointOptions), joined with the flags. Upstream's
+    ``deepspeed.checkpointing.configure`` overwrote them with the flags' defaults; here a true JSON value counts.
     """
-    m = run.model
+    m, notes = run.model, []
     interval = int(cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0)
     if interval > 0:
         if m.recompute_granularity == "selective":
@@ -175,14 +176,33 @@ def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
                               "but --recompute-granularity is selective: drop one")
         m.recompute_granularity = "full"
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
-    ac = cfg.get("activation_checkpointing", {})
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-        if ac.get(key):
-            raise ConfigError(f"{source} sets activation_checkpointing.{key}=true, which this trainer does not "
-                              "support: remove it (--recompute-granularity full|selective and "
-                              "--recompute-num-layers control recompute)")
-    if ac.get("number_checkpoints") and m.recompute_num_layers is None and m.recompute_granularity == "full":
-        m.recompute_num_layers = int(ac["number_checkpoints"])
+    ac = cfg.get("activation_checkpointing") or {}
+    for key, attr, flag in (("partition_activations", "recompute_partition", "--partition-activations"),
+                            ("cpu_checkpointing", "recompute_on_cpu", "--checkpoint-in-cpu"),
+                            ("synchronize_checkpoint_boundary", "recompute_synchronize", "--synchronize-each-layer"),
+                            ("profile", "recompute_profile", "--profile-backward")):
+        if ac.get(key) and not getattr(m, attr):
+            setattr(m, attr, True)
+            notes.append(f"{ds_json.NOTE} activation_checkpointing.{key}=true honoured (upstream's "
+                         f"--deepspeed-activation-checkpointing overwrote it with {flag}'s default, false)")
+    full = m.recompute_granularity == "full"
+    chosen = [k for k, a in (("partition_activations", "recompute_partition"), ("cpu_checkpointing",
+              "recompute_on_cpu"), ("synchronize_checkpoint_boundary", "recompute_synchronize"),
+              ("profile", "recompute_profile")) if getattr(m, a)]
+    if chosen and not full:
+        notes.append(f"{ds_json.NOTE} activation_checkpointing {', '.join(chosen)}: no effect, nothing is "
+                     "recomputed without --checkpoint-activations / --recompute-granularity full")
+    if full and m.recompute_partition and run.parallel.tp == 1:
+        notes.append("> --partition-activations / partition_activations: no effect with "
+                     "--tensor-model-parallel-size 1 (nothing to split the checkpoints over)")
+    elif full and m.recompute_partition and run.parallel.sequence_parallel:
+        notes.append("> --partition-activations / partition_activations: no effect with --sequence-parallel "
+                     "(each rank's checkpointed input is already its 1/TP of the sequence)")
+    if run.parallel.pp > 1 and m.checkpoint_chunk_layers > 1 and full:
+        raise ConfigError(f"checkpoints of {m.checkpoint_chunk_layers} layers (--checkpoint-num-layers / "
+                          "--recompute-method uniform --recompute-num-layers) with --pipeline-model-parallel-size "
+                          f"{run.parallel.pp}: the pipeline checkpoints layer by layer; use 1 layer per checkpoint")
+    return notes
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

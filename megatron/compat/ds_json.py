@@ -25,7 +25,7 @@ def apply_table(cfg: dict, source: str) -> list[str]:
         if v.drop:
             _drop(cfg, v.key)
         if v.cls == NOOP and v.key.split(".")[0] not in ("optimizer", "scheduler"):  # those two: optimizer_note
-            if "." not in v.key or not _noop_parent(v.key, cfg):
+            if (v.drop or not _unset(cfg, v.key)) and ("." not in v.key or not _noop_parent(v.key, cfg)):
                 notes.append(f"{NOTE} {v.key} accepted, no effect here: {v.why}")
     if "bfloat16" in cfg:  # DeepSpeed's old spelling; it reads it only when "bf16" is absent
         if "bf16" in cfg:
@@ -41,6 +41,14 @@ def _noop_parent(key: str, cfg: dict) -> bool:
     parent = key.rsplit(".", 1)[0]
     hit = lookup(parent)
     return hit is not None and hit[0] == NOOP
+
+
+def _unset(cfg: dict, key: str) -> bool:
+    """null/false/0: a no-op key left at nothing needs no word in the log."""
+    value = cfg
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value in (None, False, 0)
 
 
 def _drop(cfg: dict, key: str) -> None:
