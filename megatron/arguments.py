@@ -46,6 +46,8 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's channels that rotate (partial rotary, GPT-NeoX's rotary_pct)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -222,7 +224,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     recompute_layers, chunk = _recompute_layout(args, granularity)
     common = dict(
         vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, hidden_dropout=args.hidden_dropout,
+        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
         recompute_granularity=granularity, recompute_num_layers=recompute_layers, checkpoint_chunk_layers=chunk,
@@ -313,4 +316,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                 tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops),
     )
     run.notes = recompute_notes(args, run.model.recompute_granularity)
+    if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
+        run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
+                         "(--position-embedding-type rope), as upstream")
     return run.validate()

@@ -37,6 +37,8 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' or 'rope'."""
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """--rotary-percent: the fraction of each head's channels that rotate (upstream: int(head_dim x percent))."""
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     hidden_dropout: float = 0.1
@@ -89,6 +91,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that rotary embeddings rotate (the first ones), as upstream computes it."""
+        return int(self.head_dim * self.rotary_percent) if self.rotary_percent < 1.0 else self.head_dim
 
     @property
     def tie_embeddings(self) -> bool:
@@ -153,6 +160,11 @@ class ModelConfig:
             raise ConfigError(f"position embedding {self.position_embedding_type!r}: use 'learned_absolute' or 'rope'")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent:g} must be in (0, 1]")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent:g} of head dim {self.head_dim} rotates "
+                              f"{self.rotary_dim} channels: it must be an even number > 0; pick a percent giving one")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
         if self.checkpoint_chunk_layers < 1 or (self.recompute_num_layers or 1) < 1:
