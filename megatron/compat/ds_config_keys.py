@@ -96,8 +96,9 @@ _section("scheduler", NOOP, "as upstream, the LR schedule comes from --lr-decay-
          "differing values are named in one log line")
 
 # --- activation checkpointing (megatron/core/tensor_parallel/recompute.py) ---
-_put(HONOURED, "our RNG-exact recompute (see megatron/core/tensor_parallel/recompute.py); a given flag wins, as "
-     "upstream's deepspeed.checkpointing.configure", "activation_checkpointing",
+_put(HONOURED, "done by our RNG-exact recompute (megatron/core/tensor_parallel/recompute.py CheckpointOptions); "
+     "true here or in the matching flag turns it on (upstream's configure let the flag's default overwrite the "
+     "JSON); no effect, said in the log, when nothing is recomputed", "activation_checkpointing",
      "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
      "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile")
 _put(NOOP, "DeepSpeed uses it only to place partitions in one preallocated buffer (allocator layout, same "
@@ -219,3 +220,11 @@ def classify(cfg: dict) -> list[Verdict]:
 
     walk(cfg, "")
     return out
+
+
+def markdown_table() -> str:
+    """The classification as a README table: one row per table entry (``X.*`` = everything under X)."""
+    rows = ["| DeepSpeed JSON key | class | here |", "|---|---|---|"]
+    for key, (cls, why) in sorted(TABLE.items()):
+        rows.append(f"| `{key}` | {cls} | {why.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

@@ -82,7 +82,7 @@ def fp16_loss_scale(cfg: dict, prec: PrecisionConfig, source: str, user_json: bo
     given = {key: (flag, getattr(prec, attr), conv) for key, flag, attr, conv in _FP16_FLAGS
              if getattr(prec, attr) is not None}
     if not prec.fp16:
-        return [f"{NOTE} {flag} {value:g} has no effect without --fp16 ({prec.name} needs no loss scaling)"
+        return [f"> {flag} {value:g} has no effect without --fp16 ({prec.name} needs no loss scaling)"
                 for flag, value, _ in given.values()]
     section, notes = cfg["fp16"], []
     for key, (flag, value, conv) in given.items():

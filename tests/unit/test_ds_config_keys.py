@@ -117,7 +117,7 @@ def test_fp16_flags_fill_missing_json_keys_and_warn_on_contradiction(tmp_path, f
 def test_fp16_flags_are_noops_without_fp16(tmp_path):
     cfg = build_ds_config(_run(fp16=False, loss_scale=128.0))
     assert "fp16" not in cfg
-    assert cfg[NOTES_KEY] == ["> DeepSpeed JSON: --loss-scale 128 has no effect without --fp16 (fp32 needs no "
+    assert cfg[NOTES_KEY] == ["> --loss-scale 128 has no effect without --fp16 (fp32 needs no "
                               "loss scaling)"]
 
 
@@ -145,3 +145,22 @@ def test_offload_refusals(tmp_path, fp16_device):
     with pytest.raises(ConfigError, match="ZeRO-Offload runs Adam on the CPU"):
         build_ds_config(run, _write(tmp_path, {"zero_optimization": {"stage": 1, "offload_optimizer": {
             "device": "cpu"}}}))
+
+
+def test_activation_checkpointing_keys_reach_the_recompute(tmp_path):
+    ac = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True, "profile": True,
+                                       "synchronize_checkpoint_boundary": True, "number_checkpoints": 4,
+                                       "contiguous_memory_optimization": False}}
+    run = _run(fp16=False)
+    run.model.recompute_granularity = "full"
+    cfg = build_ds_config(run, _write(tmp_path, ac))
+    m = run.model
+    assert m.recompute_partition and m.recompute_on_cpu and m.recompute_profile and m.recompute_synchronize
+    notes = cfg[NOTES_KEY]
+    assert sum("honoured (upstream's" in n for n in notes) == 4
+    assert any("number_checkpoints accepted, no effect" in n for n in notes)
+    assert not any("JSON: activation_checkpointing.contiguous" in n for n in notes)  # false: nothing to say
+    assert any("no effect with --tensor-model-parallel-size 1" in n for n in notes)
+    quiet = _run(fp16=False)  # no recompute: said, not silently kept
+    notes = build_ds_config(quiet, _write(tmp_path, ac))[NOTES_KEY]
+    assert any("no effect, nothing is recomputed" in n for n in notes)
