@@ -24,8 +24,9 @@ MARK = "__megatron_probe__"
 # pipeline: get_pipeline_config copies the section over its defaults (keys below) and the pipeline engine
 # reads use_reentrant; optimizer/scheduler: DeepSpeed reads 'params' only when 'type' is there;
 # sequence_parallel_size: read by DeepSpeedConfig.__init__ only without an mpu.
-READ_ELSEWHERE = ("pipeline.stages", "pipeline.partition", "pipeline.seed_layers", "pipeline.activation_checkpoint_interval",
-                  "pipeline.pipe_partitioned", "pipeline.grad_partitioned", "pipeline.use_reentrant",
+READ_ELSEWHERE = ("pipeline.stages", "pipeline.partition", "pipeline.seed_layers",
+                  "pipeline.activation_checkpoint_interval", "pipeline.pipe_partitioned", "pipeline.grad_partitioned",
+                  "pipeline.use_reentrant",
                   "optimizer.params", "scheduler.params", "sequence_parallel_size")
 BASE = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 

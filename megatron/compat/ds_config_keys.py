@@ -54,11 +54,14 @@ _put(HONOURED, "must agree with --zero-stage (or sets it when the flag is not gi
      "zero_optimization.stage")
 _put(HONOURED, "ZeRO-Offload: our optimizer becomes DeepSpeed's CPU Adam with the flags' hyper-parameters "
      "(refused before the process group where CPU Adam cannot build)",
-     "zero_optimization.offload_optimizer", "zero_optimization.offload_optimizer.device", "zero_optimization.cpu_offload")
-_put(HONOURED, "filled from megatron_frontier.zero_hpz when set, else " + _PASS, "zero_optimization.zero_hpz_partition_size")
+     "zero_optimization.offload_optimizer", "zero_optimization.offload_optimizer.device",
+     "zero_optimization.cpu_offload")
+_put(HONOURED, "filled from megatron_frontier.zero_hpz when set, else " + _PASS,
+     "zero_optimization.zero_hpz_partition_size")
 _put(HONOURED, _PASS, *(f"zero_optimization.{k}" for k in (
-    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm", "contiguous_gradients",
-    "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint",
+    "enable_sanity_checks",
     "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module", "leaf_module.classes",
     "leaf_module.name_suffixes", "leaf_module.names", "legacy_stage1", "load_from_fp32_weights",
     "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
@@ -102,7 +105,8 @@ _put(HONOURED, "done by our RNG-exact recompute (megatron/core/tensor_parallel/r
      "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
      "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile")
 _put(NOOP, "DeepSpeed uses it only to place partitions in one preallocated buffer (allocator layout, same "
-     "results); our recompute keeps each partition as its own tensor", "activation_checkpointing.contiguous_memory_optimization")
+     "results); our recompute keeps each partition as its own tensor",
+     "activation_checkpointing.contiguous_memory_optimization")
 _put(NOOP, "DeepSpeed uses it only to size the contiguous_memory_optimization buffer (upstream overwrites it "
      "from --num-layers / --checkpoint-num-layers); what is recomputed comes from the flags",
      "activation_checkpointing.number_checkpoints")

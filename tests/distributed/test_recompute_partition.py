@@ -32,7 +32,7 @@ def _worker():
         set_seeds(11)
         model = GPTModel(cfg, tp=state.tp, init_seed=3)
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
-        nbytes = saved_activation_bytes(model, lambda: model(tokens[:, :-1], tokens[:, 1:]).mean())
+        nbytes = saved_activation_bytes(model, lambda m=model, t=tokens: m(t[:, :-1], t[:, 1:]).mean())
         out[partition] = (nbytes, {n: p.grad.clone() for n, p in model.named_parameters()})
     return out
 
