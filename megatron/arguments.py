@@ -99,7 +99,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--clip-grad", type=float, default=None,
+                   help="0 disables clipping (default 1.0, or the DeepSpeed JSON's gradient_clipping, as upstream)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -303,7 +304,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                                   lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                   lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
-                                  clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                  clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
+                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                   adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
                                   cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam),
         precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,

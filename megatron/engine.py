@@ -60,9 +60,11 @@ def _agree(cfg: dict, key: str, want, flag: str, source: str) -> None:
     cfg[key] = want
 
 
-def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_given: bool = True) -> dict:
-    """The complete ds_config for this run. ``zero_stage_given``: --zero-stage was on the command line
-    (otherwise a user JSON's stage wins and is written back into ``run``)."""
+def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_given: bool = True,
+                    clip_grad_given: bool = True) -> dict:
+    """The complete ds_config for this run. ``zero_stage_given`` / ``clip_grad_given``: --zero-stage /
+    --clip-grad was on the command line (otherwise a user JSON's stage / gradient_clipping wins, as upstream
+    where DeepSpeed clips from the JSON, and is written back into ``run``)."""
     p, t, o, prec = run.parallel, run.training, run.optimizer, run.precision
     source = f"--deepspeed_config {user_config}" if user_config else "template"
     if user_config:
@@ -83,6 +85,11 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     notes += ds_json.optimizer_note(cfg, o, offload)
     ds_json.check_monitors(cfg, source)
 
+    clip = cfg.get("gradient_clipping")
+    if user_config and not clip_grad_given and isinstance(clip, int | float) and not isinstance(clip, bool):
+        if clip < 0:
+            raise ConfigError(f"{source}: gradient_clipping={clip} must be >= 0 (0 disables clipping)")
+        o.clip_grad = float(clip)
     gas = t.grad_accumulation_steps(p.dp)
     _agree(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", source)
     _agree(cfg, "train_batch_size", t.global_batch_size, "--global-batch-size", source)

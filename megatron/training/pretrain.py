@@ -89,7 +89,8 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
                           "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
 
     # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
-    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
+    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
+                                clip_grad_given=args.clip_grad is not None)
     log_notes(ds_config, ranks.rank)  # JSON keys with no effect, unused optimizer/scheduler sections: said once
     ckpt = CheckpointSettings.from_args(args)
     check_checkpoint_support(run, ds_config, ckpt)  # engine x --save/--load: refused now, not at the first save

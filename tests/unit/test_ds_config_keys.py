@@ -164,3 +164,12 @@ def test_activation_checkpointing_keys_reach_the_recompute(tmp_path):
     quiet = _run(fp16=False)  # no recompute: said, not silently kept
     notes = build_ds_config(quiet, _write(tmp_path, ac))[NOTES_KEY]
     assert any("no effect, nothing is recomputed" in n for n in notes)
+
+
+def test_json_gradient_clipping_applies_when_the_flag_is_not_given(tmp_path, fp16_device):
+    path = _write(tmp_path, {"gradient_clipping": 0.5})
+    run = _run()
+    assert build_ds_config(run, path, clip_grad_given=False)["gradient_clipping"] == 0.5
+    assert run.optimizer.clip_grad == 0.5  # our own clip paths (pipeline fp32) read it from the run
+    with pytest.raises(ConfigError, match="gradient_clipping=0.5 but --clip-grad gives 1.0"):
+        build_ds_config(_run(), path, clip_grad_given=True)
