@@ -215,6 +215,9 @@ def classify(cfg: dict) -> list[Verdict]:
                                                  "silently): check the spelling or drop it"))
                 continue
             cls, why = hit
+            if key in parents and value is not None and not isinstance(value, dict) and cls != REFUSED:
+                out.append(Verdict(key, REFUSED, f"must be a JSON object of {key}.* keys, got {value!r}"))
+                continue
             if cls == REFUSED and _off(value):
                 out.append(Verdict(key, NOOP, f"set to {value!r}, which asks for nothing; dropped", drop=True))
                 continue

@@ -86,6 +86,8 @@ def test_unknown_and_refused_keys_are_refused(tmp_path, fp16_device):
         build_ds_config(_run(), _write(tmp_path, {"fp16": {"enabled": True, "loss_scale_windw": 500}}))
     with pytest.raises(ConfigError, match="steps_per_prnt: not a DeepSpeed"):
         build_ds_config(_run(), _write(tmp_path, {"steps_per_prnt": 1}))
+    with pytest.raises(ConfigError, match="fp16: must be a JSON object of fp16.\\* keys, got True"):
+        build_ds_config(_run(), _write(tmp_path, {"fp16": True}))
     with pytest.raises(ConfigError, match="torch_autocast: precision comes from"):
         build_ds_config(_run(), _write(tmp_path, {"torch_autocast": {"enabled": True}}))
     # Off values of refused keys ask for nothing: accepted, dropped before DeepSpeed (which refuses some itself).
