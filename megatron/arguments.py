@@ -58,6 +58,8 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
     g.add_argument("--rotary-base", "--rotary-position-embeddings-theta", dest="rotary_base", type=float,
                    default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's channels that rotate (partial rotary, GPT-NeoX's rotary_pct)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -68,6 +70,20 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--checkpoint-activations", action="store_true", help="= --recompute-granularity full")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform = checkpoints of --recompute-num-layers layers each; block = only "
+                        "the first --recompute-num-layers layers (default: every layer, one checkpoint each)")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="with full recompute: checkpoints of --checkpoint-num-layers layers, as upstream")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None,
+                   help="layers per checkpoint under --deepspeed-activation-checkpointing (default 1)")
+    g.add_argument("--partition-activations", "--distribute-saved-activations", "--distribute-checkpointed-activations",
+                   dest="partition_activations", action="store_true",
+                   help="keep 1/TP of each checkpointed input, all-gathered for the recompute")
+    g.add_argument("--checkpoint-in-cpu", action="store_true", help="keep checkpointed inputs in host memory")
+    g.add_argument("--synchronize-each-layer", action="store_true",
+                   help="accelerator synchronize around each checkpoint's forward and backward")
+    g.add_argument("--profile-backward", action="store_true", help="print each checkpoint's forward/backward time")
     g.add_argument("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
                    help="the HIP flash-attention kernel (csrc/), when built")
     g.add_argument("--use-flash-attn-triton", action="store_true")
@@ -93,18 +109,27 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--clip-grad", type=float, default=None,
+                   help="0 disables clipping (default 1.0, or the DeepSpeed JSON's gradient_clipping, as upstream)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam = AdamW (upstream's FusedAdam default); the JSON 'optimizer' section is not used")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--cpu-optimizer", action="store_true", help="DeepSpeed's CPU Adam (for ZeRO-Offload)")
+    g.add_argument("--cpu_torch_adam", "--cpu-torch-adam", dest="cpu_torch_adam", action="store_true",
+                   help="with --cpu-optimizer: torch's AdamW instead of DeepSpeed's CPU Adam")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    # Loss-scale flags default to None (= not given): under --fp16 they fill what the DeepSpeed JSON leaves out.
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="default 2**32 (a power of 2)")
+    g.add_argument("--min-loss-scale", type=float, default=None, help="default 1")
+    g.add_argument("--loss-scale-window", type=int, default=None, help="default 1000")
+    g.add_argument("--hysteresis", type=int, default=None, help="default 2")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
@@ -232,12 +257,16 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     overrides = {k: v for k, v in overrides.items() if v is not None}
     granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else
                                                  "selective" if args.recompute_activations else None)
+    recompute_layers, chunk = _recompute_layout(args, granularity)
     common = dict(
         vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, hidden_dropout=args.hidden_dropout,
+        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
-        recompute_granularity=granularity, recompute_num_layers=args.recompute_num_layers,
+        recompute_granularity=granularity, recompute_num_layers=recompute_layers, checkpoint_chunk_layers=chunk,
+        recompute_partition=args.partition_activations, recompute_on_cpu=args.checkpoint_in_cpu,
+        recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
         torch_compile=args.torch_compile,
     )
@@ -247,6 +276,42 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     if missing:
         raise ConfigError(f"{', '.join(missing)} not given: pass the model shape or --model-size NAME")
     return ModelConfig(**overrides, **common)
+
+
+def _recompute_layout(args: argparse.Namespace, granularity: str | None) -> tuple[int | None, int]:
+    """(layers recomputed, layers per checkpoint) with upstream's meaning of the recompute flags.
+
+    Upstream's full recompute takes --deepspeed-activation-checkpointing's branch first (checkpoints of
+    --checkpoint-num-layers over all layers), else --recompute-method: uniform = checkpoints of
+    --recompute-num-layers over all layers, block = the first --recompute-num-layers layers one by one."""
+    if args.recompute_method is not None and granularity != "full":
+        raise ConfigError(f"--recompute-method {args.recompute_method} applies to full recompute only (as upstream): "
+                          "add --recompute-granularity full (or --checkpoint-activations), or drop it")
+    if granularity == "full" and args.deepspeed_activation_checkpointing:
+        return None, args.checkpoint_num_layers or 1
+    if args.recompute_method == "uniform":
+        return None, args.recompute_num_layers or 1
+    if args.recompute_method == "block":
+        return args.recompute_num_layers or 1, 1
+    return args.recompute_num_layers, 1
+
+
+def recompute_notes(args: argparse.Namespace, granularity: str | None) -> list[str]:
+    """Recompute flags that are provable no-ops for this command line (as upstream), said once in the log."""
+    notes, full = [], granularity == "full"
+    if args.deepspeed_activation_checkpointing and not full:
+        notes.append("--deepspeed-activation-checkpointing: nothing is recomputed without --checkpoint-activations "
+                     "or --recompute-granularity full (as upstream)")
+    if args.checkpoint_num_layers is not None and not (full and args.deepspeed_activation_checkpointing):
+        notes.append("--checkpoint-num-layers has no effect without --deepspeed-activation-checkpointing and full "
+                     "recompute (as upstream; --recompute-method uniform --recompute-num-layers N is the same)")
+    for flag, given in (("--partition-activations", args.partition_activations),
+                        ("--checkpoint-in-cpu", args.checkpoint_in_cpu),
+                        ("--synchronize-each-layer", args.synchronize_each_layer),
+                        ("--profile-backward", args.profile_backward)):
+        if given and not full:
+            notes.append(f"{flag} has no effect: nothing is recomputed without full recompute")
+    return ["> " + n for n in notes]
 
 
 def attention_backend(args: argparse.Namespace) -> str:
@@ -271,9 +336,12 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                                   lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                   lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
-                                  clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                  adam_eps=args.adam_eps),
-        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, initial_loss_scale=args.initial_loss_scale,
+                                  clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
+                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                  adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam),
+        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+                                  initial_loss_scale=args.initial_loss_scale,
                                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                                   min_loss_scale=args.min_loss_scale),
         training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
@@ -281,4 +349,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                 eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
                                 tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops),
     )
+    run.notes = recompute_notes(args, run.model.recompute_granularity)
+    if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
+        run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
+                         "(--position-embedding-type rope), as upstream")
     return run.validate()

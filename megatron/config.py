@@ -37,6 +37,8 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' or 'rope'."""
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """--rotary-percent: the fraction of each head's channels that rotate (upstream: int(head_dim x percent))."""
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     hidden_dropout: float = 0.1
@@ -52,6 +54,19 @@ class ModelConfig:
     recompute_granularity: str | None = None
     """None, 'full' or 'selective'."""
     recompute_num_layers: int | None = None
+    """How many layers (per pipeline stage) get full recompute, the first ones; None: all."""
+    checkpoint_chunk_layers: int = 1
+    """Layers recomputed as one checkpoint (upstream's --recompute-method uniform with --recompute-num-layers N,
+    or --deepspeed-activation-checkpointing with --checkpoint-num-layers N): only every N-th layer input is kept."""
+    recompute_partition: bool = False
+    """Keep 1/TP of each checkpointed input (--partition-activations, --distribute-saved-activations, JSON
+    activation_checkpointing.partition_activations); all-gathered for the recompute."""
+    recompute_on_cpu: bool = False
+    """Keep checkpointed inputs in host memory (--checkpoint-in-cpu, JSON cpu_checkpointing)."""
+    recompute_synchronize: bool = False
+    """Accelerator synchronize around each checkpoint (--synchronize-each-layer, synchronize_checkpoint_boundary)."""
+    recompute_profile: bool = False
+    """Print each checkpoint's forward/backward time on rank 0 (--profile-backward, JSON profile)."""
     bias_gelu_fusion: bool = True
     """With --compile, fc1 skips its bias add and GeLU(y + bias) runs as one function that torch.compile
     fuses into one kernel (megatron/model/fusions.py), as Megatron's default (--no-bias-gelu-fusion turns it
@@ -76,6 +91,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that rotary embeddings rotate (the first ones), as upstream computes it."""
+        return int(self.head_dim * self.rotary_percent) if self.rotary_percent < 1.0 else self.head_dim
 
     @property
     def tie_embeddings(self) -> bool:
@@ -140,8 +160,15 @@ class ModelConfig:
             raise ConfigError(f"position embedding {self.position_embedding_type!r}: use 'learned_absolute' or 'rope'")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent:g} must be in (0, 1]")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent:g} of head dim {self.head_dim} rotates "
+                              f"{self.rotary_dim} channels: it must be an even number > 0; pick a percent giving one")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
+        if self.checkpoint_chunk_layers < 1 or (self.recompute_num_layers or 1) < 1:
+            raise ConfigError("--checkpoint-num-layers / --recompute-num-layers must be >= 1")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -205,9 +232,23 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adam"
+    """'adam' (AdamW, as upstream's default FusedAdam with adam_w_mode) or 'sgd' (with ``sgd_momentum``)."""
+    sgd_momentum: float = 0.9
+    cpu_optimizer: bool = False
+    """--cpu-optimizer: DeepSpeed's CPU Adam (AdamW mode), as upstream; also used for ZeRO-Offload JSONs."""
+    cpu_torch_adam: bool = False
+    """--cpu_torch_adam: with --cpu-optimizer, torch's AdamW instead of DeepSpeed's CPU Adam (as upstream)."""
 
     def validate(self) -> None:
         """Refuse what torch's AdamW would only refuse after the model is built (a traceback, then)."""
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose adam or sgd")
+        if self.cpu_optimizer and self.optimizer != "adam":
+            raise ConfigError("--cpu-optimizer with --optimizer sgd: CPU offloading is for Adam (as upstream); "
+                              "drop one of them")
+        if self.cpu_torch_adam and not self.cpu_optimizer:
+            raise ConfigError("--cpu_torch_adam without --cpu-optimizer: add --cpu-optimizer or drop it")
         bad = []
         for flag, value, ok, want in (
                 ("--lr", self.lr, self.lr >= 0, ">= 0"), ("--min-lr", self.min_lr, self.min_lr >= 0, ">= 0"),
@@ -215,6 +256,7 @@ class OptimizerConfig:
                 ("--adam-beta2", self.adam_beta2, 0 <= self.adam_beta2 < 1, "in [0, 1)"),
                 ("--adam-eps", self.adam_eps, self.adam_eps > 0, "> 0"),
                 ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                ("--sgd-momentum", self.sgd_momentum, self.sgd_momentum >= 0, ">= 0"),
                 ("--clip-grad", self.clip_grad, self.clip_grad >= 0, ">= 0 (0 disables clipping)")):
             if not ok or value != value:  # value != value: NaN passes every comparison above
                 bad.append(f"{flag} {value:g} must be {want}")
@@ -225,12 +267,17 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
+    """The loss-scale fields are the flags as given (None: not on the command line). Under --fp16 they fill
+    what the DeepSpeed JSON leaves out (megatron/engine.py); with bf16/fp32 they have no effect."""
+
     fp16: bool = False
     bf16: bool = False
-    initial_loss_scale: float = 2.0**32
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    loss_scale: float | None = None
+    """--loss-scale: a static loss scale (None: dynamic)."""
+    initial_loss_scale: float | None = None
+    loss_scale_window: int | None = None
+    hysteresis: int | None = None
+    min_loss_scale: float | None = None
 
     def validate(self) -> None:
         if self.fp16 and self.bf16:
@@ -282,6 +329,8 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    notes: list[str] = field(default_factory=list)
+    """Flags accepted as provable no-ops for this run: printed once on rank 0 (megatron/engine.py log_notes)."""
 
     def validate(self) -> RunConfig:
         self.parallel.validate()

@@ -3,7 +3,10 @@
 
 The CLI is the single source of truth. A user's ``--deepspeed_config`` may add DeepSpeed knobs, but a
 batch size, clipping, precision or ZeRO stage that disagrees with the flags is refused with a message
-naming both values, never silently resolved.
+naming both values, never silently resolved. Every key of the JSON is honoured, an accepted no-op (said
+once in the log) or refused before the process group: megatron/compat/ds_config_keys.py classes them.
+The fp16 loss-scale keys are the exception upstream made: the JSON wins over a contradicting flag, with a
+warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (one log line each).
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron.compat import ds_json
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.training.lr_schedule import OptimizerParamScheduler
-from megatron.training.optimizer import make_adamw
+from megatron.training.optimizer import make_optimizer
 
+NOTES_KEY = "megatron_notes"  # log lines for rank 0, stripped before DeepSpeed sees the config
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepspeed_configs")
 
 
@@ -55,9 +60,11 @@ def _agree(cfg: dict, key: str, want, flag: str, source: str) -> None:
     cfg[key] = want
 
 
-def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_given: bool = True) -> dict:
-    """The complete ds_config for this run. ``zero_stage_given``: --zero-stage was on the command line
-    (otherwise a user JSON's stage wins and is written back into ``run``)."""
+def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_given: bool = True,
+                    clip_grad_given: bool = True) -> dict:
+    """The complete ds_config for this run. ``zero_stage_given`` / ``clip_grad_given``: --zero-stage /
+    --clip-grad was on the command line (otherwise a user JSON's stage / gradient_clipping wins, as upstream
+    where DeepSpeed clips from the JSON, and is written back into ``run``)."""
     p, t, o, prec = run.parallel, run.training, run.optimizer, run.precision
     source = f"--deepspeed_config {user_config}" if user_config else "template"
     if user_config:
@@ -67,11 +74,22 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     else:
         cfg = load_ds_config(template_path(p.zero_stage, prec.name))
     cfg = copy.deepcopy(cfg)
-    for section in ("optimizer", "scheduler"):
-        if section in cfg:
-            raise ConfigError(f"{source} has an '{section}' section: remove it; the optimizer and LR schedule "
-                              "come from --lr, --min-lr, --lr-decay-style, --weight-decay, --adam-* flags")
+    notes = ds_json.apply_table(cfg, source)  # unknown and refused keys stop here, before any process group
+    notes = notes if user_config else []  # our own template's keys need no word
+    accel_cpu = get_accelerator().device_name() == "cpu"
+    ds_json.check_offload(cfg, o, p.zero_stage, accel_cpu, source)
+    offload = ds_json.offload_device(cfg) == "cpu"
+    if (offload or o.cpu_optimizer or o.optimizer != "adam") and p.zero_hierarchy:
+        raise ConfigError("--zero-hierarchy runs its own AdamW: drop --optimizer sgd / --cpu-optimizer / "
+                          "offload_optimizer, or --zero-hierarchy")
+    notes += ds_json.optimizer_note(cfg, o, offload)
+    ds_json.check_monitors(cfg, source)
 
+    clip = cfg.get("gradient_clipping")
+    if user_config and not clip_grad_given and isinstance(clip, int | float) and not isinstance(clip, bool):
+        if clip < 0:
+            raise ConfigError(f"{source}: gradient_clipping={clip} must be >= 0 (0 disables clipping)")
+        o.clip_grad = float(clip)
     gas = t.grad_accumulation_steps(p.dp)
     _agree(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", source)
     _agree(cfg, "train_batch_size", t.global_batch_size, "--global-batch-size", source)
@@ -97,7 +115,7 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
                 raise ConfigError(f"{source} sets pipeline.{key}=true, which corrupts activations with "
                                   "--sequence-parallel: drop the key or --sequence-parallel")
             pipe_cfg[key] = False
-    _activation_checkpointing(cfg, run, source)
+    notes += _activation_checkpointing(cfg, run, source)
 
     for name in ("fp16", "bf16"):
         enabled_in_json = bool(cfg.get(name, {}).get("enabled", False))
@@ -112,14 +130,20 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     if prec.fp16 and not get_accelerator().is_fp16_supported():
         raise ConfigError(f"--fp16: DeepSpeed does not support fp16 on this {get_accelerator().device_name()} device; "
                           "use --bf16 (advised on MI250X) or neither for fp32")
-    if prec.fp16:
-        # Dynamic loss scale (loss_scale 0) from the Megatron flags.
-        cfg["fp16"].update(loss_scale=0, initial_scale_power=int(round(torch.log2(
-            torch.tensor(prec.initial_loss_scale)).item())), loss_scale_window=prec.loss_scale_window,
-            hysteresis=prec.hysteresis, min_loss_scale=prec.min_loss_scale)
-    cfg["zero_allow_untested_optimizer"] = True  # our AdamW is torch's own
+    notes += ds_json.fp16_loss_scale(cfg, prec, source, user_json=bool(user_config))
+    ds_json.check_loss_scale_values(cfg, source)
+    # Upstream's FusedAdam is on DeepSpeed's tested list; torch's AdamW/SGD are the same updates.
+    cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 10**9)
+    cfg[NOTES_KEY] = run.notes + notes
     return cfg
+
+
+def log_notes(ds_config: dict, rank: int) -> None:
+    """Print build_ds_config's notes (no-op keys, unused sections, warnings) once, on rank 0."""
+    if rank == 0:
+        for line in ds_config.get(NOTES_KEY, ()):
+            print(line, flush=True)
 
 
 def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
@@ -142,15 +166,16 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
                source)
 
 
-def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
+def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[str]:
     """Honour DeepSpeed's activation-checkpointing keys through our own RNG-exact recompute.
 
     ``pipeline.activation_checkpoint_interval`` > 0 means full recompute (our layers checkpoint themselves,
     so the engine's own interval is zeroed: DeepSpeed's checkpoint would not replay our TP RNG tracker).
-    ``partition_activations`` / ``cpu_checkpointing`` are refused: our checkpoint keeps each layer's input
-    whole on the device, and DeepSpeed's partitioned variant corrupts a residual around the call.
+    ``activation_checkpointing`` keys mean what DeepSpeed's checkpointing does with them (see
+    megatron/core/tensor_parallel/recompute.py CheckpointOptions), joined with the flags. Upstream's
+    ``deepspeed.checkpointing.configure`` overwrote them with the flags' defaults; here a true JSON value counts.
     """
-    m = run.model
+    m, notes = run.model, []
     interval = int(cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0)
     if interval > 0:
         if m.recompute_granularity == "selective":
@@ -158,14 +183,33 @@ def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> None:
                               "but --recompute-granularity is selective: drop one")
         m.recompute_granularity = "full"
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
-    ac = cfg.get("activation_checkpointing", {})
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-        if ac.get(key):
-            raise ConfigError(f"{source} sets activation_checkpointing.{key}=true, which this trainer does not "
-                              "support: remove it (--recompute-granularity full|selective and "
-                              "--recompute-num-layers control recompute)")
-    if ac.get("number_checkpoints") and m.recompute_num_layers is None and m.recompute_granularity == "full":
-        m.recompute_num_layers = int(ac["number_checkpoints"])
+    ac = cfg.get("activation_checkpointing") or {}
+    for key, attr, flag in (("partition_activations", "recompute_partition", "--partition-activations"),
+                            ("cpu_checkpointing", "recompute_on_cpu", "--checkpoint-in-cpu"),
+                            ("synchronize_checkpoint_boundary", "recompute_synchronize", "--synchronize-each-layer"),
+                            ("profile", "recompute_profile", "--profile-backward")):
+        if ac.get(key) and not getattr(m, attr):
+            setattr(m, attr, True)
+            notes.append(f"{ds_json.NOTE} activation_checkpointing.{key}=true honoured (upstream's "
+                         f"--deepspeed-activation-checkpointing overwrote it with {flag}'s default, false)")
+    full = m.recompute_granularity == "full"
+    chosen = [k for k, a in (("partition_activations", "recompute_partition"), ("cpu_checkpointing",
+              "recompute_on_cpu"), ("synchronize_checkpoint_boundary", "recompute_synchronize"),
+              ("profile", "recompute_profile")) if getattr(m, a)]
+    if chosen and not full:
+        notes.append(f"{ds_json.NOTE} activation_checkpointing {', '.join(chosen)}: no effect, nothing is "
+                     "recomputed without --checkpoint-activations / --recompute-granularity full")
+    if full and m.recompute_partition and run.parallel.tp == 1:
+        notes.append("> --partition-activations / partition_activations: no effect with "
+                     "--tensor-model-parallel-size 1 (nothing to split the checkpoints over)")
+    elif full and m.recompute_partition and run.parallel.sequence_parallel:
+        notes.append("> --partition-activations / partition_activations: no effect with --sequence-parallel "
+                     "(each rank's checkpointed input is already its 1/TP of the sequence)")
+    if run.parallel.pp > 1 and m.checkpoint_chunk_layers > 1 and full:
+        raise ConfigError(f"checkpoints of {m.checkpoint_chunk_layers} layers (--checkpoint-num-layers / "
+                          "--recompute-method uniform --recompute-num-layers) with --pipeline-model-parallel-size "
+                          f"{run.parallel.pp}: the pipeline checkpoints layer by layer; use 1 layer per checkpoint")
+    return notes
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -185,12 +229,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     if hcfg is not None:  # our own sharded engine; DeepSpeed never sees the section
         return hierarchical_zero.create_engine(
             model, run, pstate, hcfg,
-            lambda groups: make_adamw(groups, o, weight_decay=o.weight_decay),
+            lambda groups: make_optimizer(groups, o, weight_decay=o.weight_decay),
             lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
-    ds_config = {k: v for k, v in ds_config.items() if k != hierarchical_zero.SECTION}
-    # Fused AdamW on an accelerator (megatron/training/optimizer.py); host-offloaded states stay unfused.
-    offload = (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
-    optimizer = make_adamw(param_groups(model, o.weight_decay), o, device_type="cpu" if offload == "cpu" else None)
+    ds_config = {k: v for k, v in ds_config.items() if k not in (hierarchical_zero.SECTION, NOTES_KEY)}
+    # From the flags, as upstream (megatron/training/optimizer.py); ZeRO-Offload steps on the host.
+    offload = ds_json.offload_device(ds_config) == "cpu"
+    optimizer = make_optimizer(param_groups(model, o.weight_decay), o, offload=offload)
     scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.

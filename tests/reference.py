@@ -18,8 +18,11 @@ def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int =
 
     m, o, t = run.model, run.optimizer, run.training
     model = GPTModel(m, tp=single_process_state().tp, init_seed=t.seed)
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                            eps=o.adam_eps)
+    if o.optimizer == "sgd":  # --optimizer sgd: torch's SGD, L2 weight decay per group, as upstream
+        opt = torch.optim.SGD(param_groups(model, o.weight_decay), lr=o.lr, momentum=o.sgd_momentum)
+    else:
+        opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                eps=o.adam_eps)
     sched = OptimizerParamScheduler(opt, o, steps)
     mbs = t.micro_batch_size
     n_micro = t.global_batch_size // mbs

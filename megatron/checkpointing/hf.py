@@ -1,4 +1,5 @@
-"""Our full state dict <-> HF transformers: GPT2LMHeadModel (GPT-2 variant) and LlamaForCausalLM (Llama variant).
+"""Our full state dict <-> HF transformers: GPT2LMHeadModel (GPT-2 variant), LlamaForCausalLM (Llama variant) and
+GPTNeoXForCausalLM (layernorm + GELU + rotary, the variant partial rotary --rotary-percent exports to).
 
 Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py):
 - GPT-2's c_attn / c_proj / c_fc are ``Conv1D``: weights are stored [in, out], the transpose of nn.Linear.
@@ -9,6 +10,10 @@ Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py)
   need no permutation. RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
 - Our fused QKV is laid out per KV group: [q_1 .. q_g, k, v] for each KV head (g = heads / kv heads);
   our SwiGLU fc1 is [gate; up].
+- GPT-NeoX's query_key_value is [q, k, v] per head (view(..., heads, 3 x head_dim)): ours for g = 1. Its
+  rotary is rotate-half over the first int(head_dim x partial_rotary_factor) channels (rotary_pct), as our
+  --rotary-percent; its MLP always has biases. Sequential residual only (use_parallel_residual false).
+  HF Llama (transformers 5.23) rotates every channel of a head: partial rotary has no Llama equivalent.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from megatron.errors import ConfigError
 
-GPT2, LLAMA = "gpt2", "llama"
+GPT2, LLAMA, NEOX = "gpt2", "llama", "gpt_neox"
 # HF GPT-2 activation_function -> our openai_gelu (tanh approximation); anything else is refused.
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
 
@@ -29,8 +34,17 @@ def variant(model: dict) -> str:
     llama = model["normalization"] == "rmsnorm" and model["swiglu"] and model["position_embedding_type"] == "rope"
     if gpt2 and model["num_key_value_heads"] == model["num_attention_heads"]:
         return GPT2
-    if llama:
+    partial = model.get("rotary_percent", 1.0) < 1.0
+    if llama and not partial:
         return LLAMA
+    neox = (model["normalization"] == "layernorm" and not model["swiglu"] and model["position_embedding_type"] == "rope"
+            and model["num_key_value_heads"] == model["num_attention_heads"] and model["add_bias_linear"])
+    if neox:
+        return NEOX
+    if llama:
+        raise ConfigError(f"--rotary-percent {model['rotary_percent']:g}: HF LlamaForCausalLM rotates every channel "
+                          "of a head, so partial rotary has no Llama export (GPTNeoXForCausalLM has it: layernorm + "
+                          "GELU + rope)")
     raise ConfigError("no HF class for this model: GPT2LMHeadModel needs layernorm + GELU + learned positions + "
                       "no GQA; LlamaForCausalLM needs rmsnorm + --swiglu + rope "
                       f"(got {model['normalization']}, swiglu={model['swiglu']}, {model['position_embedding_type']}, "
@@ -60,6 +74,8 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
     out: dict[str, torch.Tensor] = {}
     h, nl = m["hidden_size"], m["num_layers"]
     tied = not m["untie_embeddings_and_output_weights"]
+    if kind == NEOX:
+        return _neox_to_hf(full, m)
     if kind == GPT2:
         bias = m["add_bias_linear"]
         out["transformer.wte.weight"] = full["embedding.word_embeddings.weight"]
@@ -128,9 +144,79 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
     return {k: v.contiguous() for k, v in out.items()}, config
 
 
+_NEOX_LAYER = (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
+               ("self_attention.query_key_value", "attention.query_key_value"),
+               ("self_attention.dense", "attention.dense"), ("mlp.dense_h_to_4h", "mlp.dense_h_to_4h"),
+               ("mlp.dense_4h_to_h", "mlp.dense_4h_to_h"))
+
+
+def _neox_names(nl: int) -> list[tuple[str, str]]:
+    """(ours, HF GPT-NeoX) for every weight and bias but the output layer."""
+    pairs = [("embedding.word_embeddings.weight", "gpt_neox.embed_in.weight"),
+             ("final_layernorm.weight", "gpt_neox.final_layer_norm.weight"),
+             ("final_layernorm.bias", "gpt_neox.final_layer_norm.bias")]
+    for i in range(nl):
+        for ours, theirs in _NEOX_LAYER:
+            pairs += [(f"layers.{i}.{ours}.{t}", f"gpt_neox.layers.{i}.{theirs}.{t}") for t in ("weight", "bias")]
+    return pairs
+
+
+def _neox_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tied = not m["untie_embeddings_and_output_weights"]
+    out = {theirs: full[ours] for ours, theirs in _neox_names(m["num_layers"])}  # QKV: the same layout (g = 1)
+    if not tied:
+        out["lm_head.weight"] = full["output_layer.linear.weight"]
+    pct, base = float(m.get("rotary_percent", 1.0)), m["rotary_base"]
+    config = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m["vocab_size"],
+              "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
+              "num_hidden_layers": m["num_layers"], "num_attention_heads": m["num_attention_heads"],
+              "hidden_act": "gelu_new" if m.get("openai_gelu") else "gelu",
+              "max_position_embeddings": m["max_position_embeddings"], "layer_norm_eps": m["layernorm_epsilon"],
+              "use_parallel_residual": False, "attention_bias": True, "rotary_pct": pct, "rotary_emb_base": base,
+              "rope_parameters": {"rope_type": "default", "rope_theta": base, "partial_rotary_factor": pct},
+              "attention_dropout": m.get("attention_dropout", 0.1), "hidden_dropout": m.get("hidden_dropout", 0.1),
+              "initializer_range": m.get("init_method_std", 0.02), "tie_word_embeddings": tied,
+              "torch_dtype": "float32"}
+    return {k: v.contiguous() for k, v in out.items()}, config
+
+
+def _neox_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    if config.get("use_parallel_residual", True):
+        raise ConfigError("HF GPT-NeoX with use_parallel_residual=true (its default, e.g. Pythia): this trainer's "
+                          "layers add attention and MLP in sequence; only sequential-residual GPT-NeoX converts")
+    if not config.get("attention_bias", True):
+        raise ConfigError("HF GPT-NeoX with attention_bias=false: its MLP keeps biases, and our "
+                          "--disable-bias-linear covers both")
+    act = config.get("hidden_act", "gelu")
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError(f"HF GPT-NeoX hidden_act={act!r}: only gelu (exact) and the tanh GELUs convert")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"HF GPT-NeoX rope_type={rope['rope_type']!r}: not supported by our rotary embedding")
+    nl = config["num_hidden_layers"]
+    tied = bool(config.get("tie_word_embeddings", False))
+    m = {"num_layers": nl, "hidden_size": config["hidden_size"], "num_attention_heads": config["num_attention_heads"],
+         "num_key_value_heads": config["num_attention_heads"], "ffn_hidden_size": config["intermediate_size"],
+         "seq_length": config["max_position_embeddings"], "max_position_embeddings": config["max_position_embeddings"],
+         "vocab_size": config["vocab_size"], "normalization": "layernorm", "swiglu": False,
+         "openai_gelu": GPT2_ACTIVATIONS[act], "position_embedding_type": "rope",
+         "rotary_base": float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
+         "rotary_percent": float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
+         "layernorm_epsilon": config.get("layer_norm_eps", 1e-5), "add_bias_linear": True,
+         "untie_embeddings_and_output_weights": not tied, "hidden_dropout": config.get("hidden_dropout", 0.0),
+         "attention_dropout": config.get("attention_dropout", 0.0),
+         "init_method_std": config.get("initializer_range", 0.02)}
+    full = {ours: hf[theirs] for ours, theirs in _neox_names(nl)}
+    if not tied:
+        full["output_layer.linear.weight"] = hf["lm_head.weight" if "lm_head.weight" in hf else "embed_out.weight"]
+    return {k: v.contiguous() for k, v in full.items()}, m
+
+
 def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """(our full state, our ModelConfig fields) from an HF GPT-2 or Llama state dict and config.json."""
+    """(our full state, our ModelConfig fields) from an HF GPT-2, Llama or GPT-NeoX state dict and config.json."""
     mt = config.get("model_type")
+    if mt == NEOX:
+        return _neox_from_hf(hf, config)
     if mt == "gpt2":
         h, nl, nh = config["n_embd"], config["n_layer"], config["n_head"]
         act = config.get("activation_function", "gelu_new")  # transformers' GPT2Config default
@@ -186,6 +272,10 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
              "init_method_std": config.get("initializer_range", 0.02)}
         if config.get("rope_scaling"):
             raise ConfigError(f"HF Llama rope_scaling={config['rope_scaling']}: not supported by our rotary embedding")
+        factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        if factor is not None and float(factor) != 1.0:
+            raise ConfigError(f"HF Llama partial_rotary_factor={factor}: LlamaForCausalLM (transformers 5.23) rotates "
+                              "every channel regardless, so its meaning is unclear; convert from GPT-NeoX instead")
         full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
                 "final_layernorm.weight": hf["model.norm.weight"]}
         for i in range(nl):
@@ -208,7 +298,7 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
                 full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.down_proj.bias"]
         head = "lm_head.weight"
     else:
-        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2' and 'llama' convert to this trainer's GPT")
+        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama' and 'gpt_neox' convert to this trainer's GPT")
     if m["untie_embeddings_and_output_weights"]:
         full["output_layer.linear.weight"] = hf[head]
     return {k: v.contiguous() for k, v in full.items()}, m
@@ -229,6 +319,8 @@ def matching_flags(m: dict) -> list[str]:
              "--layernorm-epsilon", m["layernorm_epsilon"]]
     if m.get("position_embedding_type", "learned_absolute") == "rope":
         flags += ["--position-embedding-type", "rope", "--rotary-base", m.get("rotary_base", 10000.0)]
+        if m.get("rotary_percent", 1.0) != 1.0:
+            flags += ["--rotary-percent", float(m["rotary_percent"])]
     for key, flag, on in (("swiglu", "--swiglu", True), ("openai_gelu", "--openai-gelu", True),
                           ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
                           ("add_bias_linear", "--disable-bias-linear", False)):

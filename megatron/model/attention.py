@@ -60,7 +60,7 @@ class SelfAttention(nn.Module):
         q = mixed[:, :, :, :g].reshape(s, b, self.heads, self.head_dim)  # [s, b, nq/tp, d]
         k, v = mixed[:, :, :, g], mixed[:, :, :, g + 1]  # [s, b, nkv/tp, d]
         if self.cfg.position_embedding_type == "rope":
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.cfg.rotary_base, q.device, q.dtype)
+            cos, sin = rotary_cos_sin(s, self.cfg.rotary_dim, self.cfg.rotary_base, q.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [s, b, n, d] -> [b, n, s, d] for the kernel seam.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))

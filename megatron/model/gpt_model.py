@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from megatron.core.tensor_parallel.recompute import checkpoint
+from megatron.core.tensor_parallel.recompute import CheckpointOptions, checkpoint_with
 from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
 from megatron.model.norms import Norm
@@ -35,20 +35,31 @@ class GPTModel(nn.Module):
         self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
                                     sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
-        self.checkpointed_layers = recompute_layer_count(cfg)
+        self.segments = recompute_segments(cfg)
+        self.checkpoint_options = checkpoint_options(cfg, self.sequence_parallel)
         compile_transformer_layers(self, cfg.torch_compile)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
-        for i, layer in enumerate(self.layers):
-            if self.training and i < self.checkpointed_layers:
-                x = checkpoint(layer, x)  # keeps only the layer input [s, b, h]
+        for start, end, recompute in self.segments:
+            run = self.layers[start] if end == start + 1 else self._layers(start, end)
+            if self.training and recompute:  # keeps only the segment's input [s, b, h] (or 1/TP of it)
+                x = checkpoint_with(run, x, self.checkpoint_options, self.tp.group, self.tp.size)
             else:
-                x = layer(x)
+                x = run(x)
         x = self.final_layernorm(x)
         tied = self.embedding.word_embeddings.weight if self.cfg.tie_embeddings else None
         return self.output_layer(x, labels, tied)
+
+
+    def _layers(self, start: int, end: int):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[start:end]:
+                x = layer(x)
+            return x
+
+        return run
 
 
 class OutputLayer(nn.Module):
@@ -72,6 +83,21 @@ class OutputLayer(nn.Module):
             return logits.transpose(0, 1)  # [b, s, V/tp]
         # The loss walks [s, b, V/tp] in contiguous chunks of positions (no fp32 copy of all logits).
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp).t()  # [b, s]
+
+
+def recompute_segments(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(start, end, recompute) runs of layers: the first ``recompute_layer_count`` layers in checkpoints of
+    ``checkpoint_chunk_layers`` (upstream's uniform method; the last chunk may be shorter), the rest plain."""
+    n, k = cfg.num_layers, recompute_layer_count(cfg)
+    step = cfg.checkpoint_chunk_layers
+    segments = [(i, min(i + step, k), True) for i in range(0, k, step)]
+    return segments + [(i, i + 1, False) for i in range(k, n)]
+
+
+def checkpoint_options(cfg: ModelConfig, sequence_parallel: bool = False) -> CheckpointOptions:
+    """With sequence parallelism each rank's layer input is already its own 1/TP: nothing left to partition."""
+    return CheckpointOptions(partition=cfg.recompute_partition and not sequence_parallel, cpu=cfg.recompute_on_cpu,
+                             synchronize=cfg.recompute_synchronize, profile=cfg.recompute_profile)
 
 
 def recompute_layer_count(cfg: ModelConfig, num_layers: int | None = None) -> int:

@@ -29,11 +29,11 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.recompute import checkpoint
+from megatron.core.tensor_parallel.recompute import checkpoint_with
 from megatron.errors import ConfigError
 from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
-from megatron.model.gpt_model import OutputLayer, recompute_layer_count
+from megatron.model.gpt_model import OutputLayer, checkpoint_options, recompute_layer_count
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
 from megatron.perf.memory import layer_parameters
@@ -62,10 +62,13 @@ class TransformerLayerPipe(TransformerLayer):
     """One transformer layer; ``recompute`` is set per stage after partitioning."""
 
     recompute = False
+    checkpoint_options = None
+    tp_info = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training:
-            return checkpoint(super().forward, x)  # keeps only x [s, b, h]
+            return checkpoint_with(super().forward, x, self.checkpoint_options, self.tp_info.group,
+                                   self.tp_info.size)  # keeps only x [s, b, h] (or 1/TP of it)
         return super().forward(x)
 
 
@@ -183,6 +186,7 @@ class GPTModelPipe(PipelineModule):
         layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
         for i, layer in enumerate(layers):
             layer.recompute = i < recompute_layer_count(cfg, len(layers))
+            layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, sp), tp
         compile_transformer_layers(self, cfg.torch_compile)
 
     def _synchronize_tied_weights(self) -> None:

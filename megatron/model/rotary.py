@@ -1,4 +1,9 @@
-"""Rotary position embeddings (RoFormer), in the rotate-half layout used by Megatron and HF Llama."""
+"""Rotary position embeddings (RoFormer), in the rotate-half layout used by Megatron and HF Llama.
+
+Partial rotary (--rotary-percent < 1, GPT-NeoX's rotary_pct): only the first ``rotary_dim`` channels of each
+head rotate, with frequencies computed over ``rotary_dim``; the rest pass through unchanged (upstream's
+apply_rotary_pos_emb, HF GPT-NeoX's rotary_ndims).
+"""
 
 from __future__ import annotations
 
@@ -28,5 +33,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, n, d]."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [s, b, n, d]; cos, sin: [s, 1, 1, r] with r <= d (r < d: partial rotary, the last d - r pass)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, keep = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, keep], dim=-1)

@@ -1,4 +1,5 @@
-"""The AdamW every engine path builds: torch's fused kernel on an accelerator, the reference loop on CPU.
+"""The optimizer from the flags (``make_optimizer``). AdamW, the default: torch's fused kernel on an
+accelerator, the reference loop on CPU.
 
 Why: the H100 profile of the GPT 1.3B step spent 11% of GPU time in the for-each AdamW over fp32
 masters; ``fused=True`` does the whole update in one kernel per parameter group chunk, with the same
@@ -43,3 +44,22 @@ def make_adamw(params, o: OptimizerConfig, device_type: str | None = None, **ext
     if fused_supported(kind):
         kwargs["fused"] = True
     return torch.optim.AdamW(params, **kwargs)
+
+
+def make_optimizer(params, o: OptimizerConfig, offload: bool = False, device_type: str | None = None, **extra):
+    """The optimizer the flags ask for, as upstream builds it (megatron/optimizer/__init__.py there).
+
+    --cpu-optimizer or a ZeRO-Offload JSON: DeepSpeed's CPU Adam in AdamW mode (torch's AdamW with
+    --cpu_torch_adam), which DeepSpeed accepts as the client optimizer of an offloaded ZeRO. Else --optimizer:
+    adam is AdamW (upstream's FusedAdam default, adam_w_mode), sgd is SGD with --sgd-momentum and L2 weight decay.
+    """
+    if o.cpu_optimizer or offload:
+        kwargs = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, **extra)
+        if o.cpu_torch_adam:
+            return torch.optim.AdamW(params, **kwargs)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.sgd_momentum, **extra)
+    return make_adamw(params, o, device_type=device_type, **extra)

@@ -75,7 +75,7 @@ def _tensorboard(run: RunConfig, rank: int):
 def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     """Parse flags, set up, train. Returns a summary (first/last loss) for scripts and tests."""
     from megatron import topology
-    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.engine import build_ds_config, initialize_engine, log_notes
     from megatron.initialize import initialize_megatron, shutdown
 
     args = parse_args(argv, extra_args)
@@ -92,7 +92,9 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
                           "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
 
     # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
-    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
+    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
+                                clip_grad_given=args.clip_grad is not None)
+    log_notes(ds_config, ranks.rank)  # JSON keys with no effect, unused optimizer/scheduler sections: said once
     ckpt = CheckpointSettings.from_args(args)
     check_checkpoint_support(run, ds_config, ckpt)  # engine x --save/--load: refused now, not at the first save
     preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group

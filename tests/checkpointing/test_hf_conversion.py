@@ -14,11 +14,13 @@ from megatron.model.sizes import named_model
 VARIANTS = {
     "gpt2": dict(),
     "llama": dict(num_key_value_heads=2),  # debug-llama: RMSNorm, SwiGLU, rotary, untied, no bias; GQA 4/2
+    "gpt_neox": dict(position_embedding_type="rope", rotary_percent=0.25),  # GPT-2 shape, partial rotary
 }
+HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}
 
 
 def _model(name: str) -> GPTModel:
-    cfg = named_model("debug" if name == "gpt2" else "debug-llama", vocab_size=200, hidden_dropout=0.0,
+    cfg = named_model("debug-llama" if name == "llama" else "debug", vocab_size=200, hidden_dropout=0.0,
                       attention_dropout=0.0, use_cpu_initialization=True, **VARIANTS[name])
     model = GPTModel(cfg, tp=single_process_state().tp, init_seed=3).eval()
     with torch.no_grad():  # norms start at 1/0: perturb them so a swapped or dropped norm would show
@@ -36,7 +38,7 @@ def _full(model: GPTModel) -> dict:
     return full
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gpt_neox"])
 def test_export_logits_and_round_trip(tmp_path, name):
     from dataclasses import asdict
 
@@ -46,7 +48,7 @@ def test_export_logits_and_round_trip(tmp_path, name):
     cfg = asdict(model.cfg)
     write_hf(str(tmp_path / "hf"), _full(model), cfg)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
-    assert type(hf).__name__ == ("GPT2LMHeadModel" if name == "gpt2" else "LlamaForCausalLM")
+    assert type(hf).__name__ == HF_CLASS[name]
     tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(tokens)[..., :200]

@@ -76,3 +76,47 @@ def test_recompute_lowers_saved_activation_memory():
           f"selective {selective} ({selective / none:.3f}x)")
     assert full < 0.35 * none
     assert selective < 0.75 * none
+
+
+def test_uniform_checkpoints_of_several_layers_keep_fewer_inputs():
+    """--recompute-method uniform / --checkpoint-num-layers 2: one checkpoint per 2 layers, still exact."""
+    shape = dict(num_layers=4, seq_length=128, vocab_size=120)
+    ref = _loss_and_grads(_cfg(None))
+    assert _max_diff(ref, _loss_and_grads(_cfg("full", checkpoint_chunk_layers=2))) <= TOL  # 3 layers: 2 + 1
+    per_layer, chunks = (_saved_bytes(_cfg("full", checkpoint_chunk_layers=c, **shape)) for c in (1, 2))
+    h_bytes = 4 * 128 * 64 * 4  # one [s, b, h] fp32 layer input
+    assert per_layer - chunks == 2 * h_bytes  # 4 kept inputs -> 2
+
+
+def test_checkpoint_options_leave_loss_and_grads_unchanged(capsys):
+    """cpu_checkpointing, synchronize_checkpoint_boundary and profile (a CPU device: .to('cpu') is the input)."""
+    ref = _loss_and_grads(_cfg(None))
+    opts = dict(recompute_on_cpu=True, recompute_synchronize=True, recompute_profile=True)
+    assert _max_diff(ref, _loss_and_grads(_cfg("full", **opts))) <= TOL
+    out = capsys.readouterr().out
+    assert out.count("> activation checkpoint forward:") == 2 * 3  # 2 steps x 3 layers
+    assert out.count("> activation checkpoint backward (with recompute):") == 2 * 3
+
+
+@pytest.mark.parametrize("flags,chunk,layers", [
+    (["--checkpoint-activations"], 1, None),
+    (["--checkpoint-activations", "--deepspeed-activation-checkpointing", "--checkpoint-num-layers", "2"], 2, None),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"], 3, None),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"], 1, 3),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], 1, 1),
+    # upstream: the DeepSpeed branch wins over --recompute-method
+    (["--checkpoint-activations", "--deepspeed-activation-checkpointing", "--recompute-method", "block"], 1, None)])
+def test_recompute_flags_mean_what_upstream_does(flags, chunk, layers):
+    from megatron.arguments import model_config_from_args, parse_args
+
+    cfg = model_config_from_args(parse_args(["--model-size", "debug", *flags]), 100)
+    assert (cfg.recompute_granularity, cfg.checkpoint_chunk_layers, cfg.recompute_num_layers) == ("full", chunk, layers)
+
+
+def test_recompute_flag_noops_are_said():
+    from megatron.arguments import parse_args, run_config_from_args
+
+    args = parse_args(["--model-size", "debug", "--lr", "1e-4", "--train-iters", "2", "--checkpoint-num-layers", "1",
+                       "--deepspeed-activation-checkpointing", "--partition-activations"])
+    notes = run_config_from_args(args, 1, 100).notes
+    assert len(notes) == 3 and "nothing is recomputed" in notes[0] and "--checkpoint-num-layers" in notes[1]

@@ -82,11 +82,11 @@ def test_ds_config_precision_disagreement(tmp_path, fp16_device):
         build_ds_config(_run(), str(f))
 
 
-def test_ds_config_refuses_optimizer_section(tmp_path, fp16_device):
+def test_ds_config_accepts_optimizer_section_unused(tmp_path, fp16_device):
     f = tmp_path / "ds.json"
     f.write_text('{"optimizer": {"type": "Adam"}}')
-    with pytest.raises(ConfigError, match="'optimizer' section"):
-        build_ds_config(_run(), str(f))
+    cfg = build_ds_config(_run(), str(f))  # as upstream: not used, said in one log line
+    assert "optimizer" not in cfg and any("'optimizer' section not used" in n for n in cfg["megatron_notes"])
 
 
 def test_flops_formula_matches_megatron_closed_form():
