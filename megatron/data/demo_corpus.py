@@ -55,7 +55,8 @@ BYTE_EOD = 256
 
 class ByteWindowDataset:
     """Fixed windows of seq_length+1 byte tokens over the concatenated corpus, in a seeded shuffled
-    order; ``part`` 'train' or 'valid' takes disjoint windows (the last 5% are validation)."""
+    order; ``part`` 'train', 'valid' or 'test' takes disjoint windows (the first 5% of that order are validation,
+    the last 0.1% test)."""
 
     def __init__(self, seq_length: int, seed: int, part: str = "train", max_bytes: int = 4_000_000) -> None:
         chunks = []
@@ -67,7 +68,8 @@ class ByteWindowDataset:
         n_windows = (len(self.tokens) - 1) // seq_length
         order = np.random.default_rng(seed).permutation(n_windows)
         n_valid = max(1, n_windows // 20)
-        self.windows = order[n_valid:] if part == "train" else order[:n_valid]
+        n_test = max(1, n_windows // 1000)  # the last 0.1% (--split's default test share), out of train's tail
+        self.windows = {"train": order[n_valid:-n_test], "valid": order[:n_valid], "test": order[-n_test:]}[part]
 
     def __len__(self) -> int:
         return len(self.windows)

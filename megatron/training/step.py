@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron.core import comm
+
+
+class _NoTimers:
+    """Stand-in for megatron.training.timers.Timers at --timing-log-level 0 (no timer exists)."""
+
+    def __call__(self, name):
+        return contextlib.nullcontext()
+
+
+_NO_TIMERS = _NoTimers()
 
 
 @dataclass
@@ -61,22 +72,32 @@ def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
-               forward_step: Callable = gpt_forward_step) -> StepResult:
+               forward_step: Callable = gpt_forward_step, timers=None) -> StepResult:
     """Run ``num_microbatches`` forward/backward passes then one optimizer step. DeepSpeed scales
     each loss by 1/num_microbatches and averages gradients over DP, so the update is that of the
-    mean loss over the global batch."""
+    mean loss over the global batch. ``timers``: megatron.training.timers.Timers (--timing-log-level)."""
+    timers = timers or _NO_TIMERS
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
     total, norm = None, None
-    for i in range(num_microbatches):
-        batch = next(data_iterator)
-        loss = forward_step(engine, batch)
-        engine.backward(loss)
-        if i == num_microbatches - 1 and _plain_fp32(engine):
-            # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
-            norm = grad_norm(engine.module.parameters(), engine.mpu)
+    with timers("forward-backward"):
+        for i in range(num_microbatches):
+            with timers("batch-generator"):
+                batch = next(data_iterator)
+            with timers("forward-compute"):
+                loss = forward_step(engine, batch)
+            with timers("backward-compute"):
+                engine.backward(loss)
+            if i == num_microbatches - 1:
+                break  # the last micro-batch's step is the optimizer step, timed apart as upstream's
+            engine.step()  # not at the accumulation boundary: DeepSpeed only counts the micro-batch
+            # Summed on the device in micro-batch order: no host sync per micro-batch.
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+    if _plain_fp32(engine):
+        # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
+        norm = grad_norm(engine.module.parameters(), engine.mpu)
+    with timers("optimizer"):
         engine.step()
-        # Summed on the device in micro-batch order: no host sync per micro-batch.
-        total = loss.detach().float() if total is None else total + loss.detach().float()
+    total = loss.detach().float() if total is None else total + loss.detach().float()
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
