@@ -26,7 +26,7 @@ class _Timer:
         self.barrier, self.elapsed, self._start = barrier, 0.0, None
 
     def __enter__(self) -> _Timer:
-        if self.barrier:
+        if self.barrier and torch.distributed.is_initialized():
             comm.barrier()
         get_accelerator().synchronize()
         self._start = time.perf_counter()
