@@ -20,7 +20,6 @@ from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, load_full_state, save_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import RunConfig
-from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
 from megatron.preflight import preflight

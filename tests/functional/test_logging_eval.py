@@ -45,13 +45,15 @@ def _scalars(path: str) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.timeout(600)
 def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    base = _args(**{"--train-iters": "3", "--eval-iters": "1"}) + ["--eval-interval", "2", "--save", str(tmp_path / "ck")]
+    base = _args(**{"--train-iters": "3", "--eval-iters": "1"})
+    base += ["--eval-interval", "2", "--save", str(tmp_path / "ck")]
     out = run_pretrain(1, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS], env=env).stdout
     tags = _scalars(str(tmp_path / "tb"))
 
     # Stdout: periodic validation at 2, then valid and test at the end over eval_iters x GBS = 8 samples.
     evals = _evals(out)
-    end_valid, end_test = "iteration 3 on 8-sample draw from validation set", "iteration 3 on 8-sample draw from test set"
+    end_valid = "iteration 3 on 8-sample draw from validation set"
+    end_test = "iteration 3 on 8-sample draw from test set"
     assert list(evals) == ["iteration 2", end_valid, end_test], out
     for loss, ppl in evals.values():
         assert ppl == pytest.approx(math.exp(loss), rel=1e-5)

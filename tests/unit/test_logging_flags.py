@@ -102,7 +102,8 @@ def test_interval_and_refusals():
     opts = _opts("--tensorboard-dir", "x", "--tensorboard-log-interval", "3")
     assert [it for it in range(1, 8) if opts.tb_step(it)] == [3, 6]
     assert not _opts("--tensorboard-log-interval", "3").tb_step(3)  # no --tensorboard-dir: nothing, on every rank
-    for flags, needle in ((["--wandb-project", "p"], "--wandb-project"), (["--wandb-exp-name", "e"], "--wandb-exp-name"),
+    for flags, needle in ((["--wandb-project", "p"], "--wandb-project"),
+                          (["--wandb-exp-name", "e"], "--wandb-exp-name"),
                           (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval"),
                           (["--tensorboard-queue-size", "0"], "--tensorboard-queue-size")):
         with pytest.raises(ConfigError, match=needle):
