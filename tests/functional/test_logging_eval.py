@@ -1,6 +1,7 @@
 """pretrain_gpt.py's TensorBoard event files hold upstream Megatron-DeepSpeed's tags (read back with tensorboard's
 own event reader), a finished run evaluates the valid and test splits at the end, and --skip-train evaluates a
-saved checkpoint to the same numbers. One 3-iteration run with every honoured logging flag, one --skip-train run."""
+saved checkpoint to the same numbers. One 3-iteration run with every honoured logging flag (2 ranks, ZeRO-1: DP=2
+averages and reductions), one --skip-train run."""
 
 import math
 import re
@@ -44,10 +45,9 @@ def _scalars(path: str) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.mark.timeout(600)
 def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     base = _args(**{"--train-iters": "3", "--eval-iters": "1"})
-    base += ["--eval-interval", "2", "--save", str(tmp_path / "ck")]
-    out = run_pretrain(1, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS], env=env).stdout
+    base += ["--zero-stage", "1", "--eval-interval", "2", "--save", str(tmp_path / "ck")]
+    out = run_pretrain(2, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS]).stdout
     tags = _scalars(str(tmp_path / "tb"))
 
     # Stdout: periodic validation at 2, then valid and test at the end over eval_iters x GBS = 8 samples.
@@ -74,12 +74,12 @@ def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     assert tags["lm-loss-training/lm loss"] == [(2, pytest.approx(train_loss[2], rel=1e-6))]
     assert tags["lm-loss-training/lm loss vs samples"][0][0] == 16
     assert tags["lm-loss-training/lm loss vs tokens"][0][0] == 16 * 32
-    assert tags["batch-size/batch-size"] == [(2, 8.0)] and tags["world-size/world-size"] == [(2, 1.0)]
+    assert tags["batch-size/batch-size"] == [(2, 8.0)] and tags["world-size/world-size"] == [(2, 2.0)]
     assert not any(t.startswith("learning-rate/") for t in tags)  # --no-log-learnig-rate-to-tensorboard
     assert {"mem-reserved-bytes", "mem-allocated-bytes"} <= set(tags)
     assert [s for s, _ in tags["grad-norm/grad-norm"]] == [2]
-    # --log-params-norm: in the log line, and the tag equals the optimizer's own weight norm (fp32, ZeRO-0: the
-    # optimizer's parameters are the model's), computed by a different path.
+    # --log-params-norm: in the log line, and the tag equals the norm of the optimizer's fp32 weights, which ZeRO-1
+    # splits over the 2 DP ranks (summed over DP as upstream's): another path to the same number.
     assert re.search(r"grad norm: \S+ \| params norm: \d+\.\d{3} \|", out)
     assert len([t for t in tags if t.startswith("optimizer/")]) == 24
     assert tags["params-norm/params-norm"][0][1] == pytest.approx(tags["optimizer/weight_l2"][0][1], rel=1e-6)
@@ -92,8 +92,8 @@ def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     assert "--log-num-zeros-in-grad has no effect under DeepSpeed" in out
 
     # --skip-train on the saved checkpoint: the same end-of-training numbers, no training, no TensorBoard.
-    skip = run_pretrain(1, base[:-2] + ["--load", str(tmp_path / "ck"), "--skip-train", "--tensorboard-dir",
-                                        str(tmp_path / "tb2")], env=env)
+    skip = run_pretrain(2, base[:-2] + ["--load", str(tmp_path / "ck"), "--skip-train", "--tensorboard-dir",
+                                        str(tmp_path / "tb2")])
     assert "skipping training (--skip-train is on)" in skip.stdout and not losses(skip.stdout)
     assert _evals(skip.stdout) == {end_valid: evals[end_valid], end_test: evals[end_test]}, skip.stdout
     assert not (tmp_path / "tb2").exists()
