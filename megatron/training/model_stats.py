@@ -47,31 +47,30 @@ def params_norm(module: torch.nn.Module, pstate: ParallelState) -> float:
     return float(sq.sqrt())
 
 
-def _inner_optimizer(optimizer):
-    """The torch optimizer holding Adam's moments: DeepSpeed's ZeRO / bf16 wrappers keep it as ``.optimizer``."""
+def _adam_states(optimizer) -> list:
+    """(weight, state) of every tensor Adam has stepped, from the torch optimizer inside DeepSpeed's ZeRO / bf16
+    wrappers (``.optimizer``). Its ``state`` is read directly: ZeRO-3 empties ``param_groups`` between steps
+    (upstream's walk over ``param_groups`` then reports zeros); the keys are the fp32 weights the update uses."""
     opt = optimizer
-    while not getattr(opt, "state", None) and hasattr(opt, "optimizer"):
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
-    return opt
+    return [(p, st) for p, st in opt.state.items() if "exp_avg" in st and "exp_avg_sq" in st]
 
 
 def optimizer_stats(optimizer, pstate: ParallelState, zero_stage: int) -> dict[str, float]:
     """Upstream's twelve optimizer-state statistics. Sums run over DP when ZeRO partitions the states, and over
     TP and PP as upstream's (a TP-replicated tensor counts once per TP rank there too)."""
-    opt = _inner_optimizer(optimizer)
     sums = torch.zeros(8, dtype=torch.float64)
     maxes = torch.zeros(4, dtype=torch.float64)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p, {})
-            if "exp_avg" not in st:
-                continue  # no step taken yet for this tensor
-            v, m, w = st["exp_avg_sq"].double(), st["exp_avg"].double(), p.detach().double()
-            vs = v.sqrt()
-            sums += torch.stack([v.pow(2).sum(), vs.pow(2).sum(), m.pow(2).sum(), w.pow(2).sum(),
-                                 v.abs().sum(), vs.abs().sum(), m.abs().sum(), w.abs().sum()]).cpu()
-            maxes = torch.maximum(maxes, torch.stack([v.abs().max(), vs.abs().max(), m.abs().max(),
-                                                      w.abs().max()]).cpu())
+    for p, st in _adam_states(optimizer):
+        if st["exp_avg"].numel() == 0:
+            continue  # a rank's empty ZeRO partition
+        v, m, w = st["exp_avg_sq"].double(), st["exp_avg"].double(), p.detach().double()
+        vs = v.sqrt()
+        sums += torch.stack([v.pow(2).sum(), vs.pow(2).sum(), m.pow(2).sum(), w.pow(2).sum(),
+                             v.abs().sum(), vs.abs().sum(), m.abs().sum(), w.abs().sum()]).cpu()
+        maxes = torch.maximum(maxes, torch.stack([v.abs().max(), vs.abs().max(), m.abs().max(),
+                                                  w.abs().max()]).cpu())
     groups = ([pstate.dp] if zero_stage > 0 else []) + [pstate.tp, pstate.pp]
     for g in groups:
         if g.size > 1:

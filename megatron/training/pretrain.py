@@ -160,7 +160,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
             logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed, gbs)
             if opts.optimizer_states_to_tb:
-                stats = optimizer_stats(engine.optimizer, pstate, run.parallel.zero_stage)
+                stats = optimizer_stats(engine.optimizer, pstate, engine.zero_optimization_stage())
                 if writer is not None:
                     write_optimizer_stats(writer, stats, it, consumed * run.model.seq_length)
             timers.write(writer, it, normalizer=max(1, interval_n))
