@@ -70,7 +70,7 @@ def datasets_provider(args, run, num_samples):
     if args.demo_corpus:
         from megatron.data.demo_corpus import ByteWindowDataset
 
-        return tuple(ByteWindowDataset(seq, seed, part) for part in ("train", "valid", "test"))
+        return ByteWindowDataset.splits(seq, seed, tuple(num_samples[1:]))
     from megatron.data.mock_dataset import MockGPTDataset
 
     vocab = run.model.vocab_size
