@@ -18,6 +18,20 @@ from dataclasses import dataclass
 
 from megatron.errors import ConfigError
 
+# Every logging/validation flag of upstream's parser (megatron/arguments.py at 4efb479d: _add_logging_args,
+# --log-interval, --tensorboard-dir, --skip-train) and its class here, for the compatibility table.
+FLAG_CLASSES = {
+    "--log-interval": "honoured", "--tensorboard-dir": "honoured", "--skip-train": "honoured",
+    "--log-params-norm": "honoured", "--log-num-zeros-in-grad": "no-op", "--timing-log-level": "honoured",
+    "--no-barrier-with-level-1-timing": "honoured", "--timing-log-option": "honoured",
+    "--tensorboard-log-interval": "honoured", "--tensorboard-queue-size": "honoured",
+    "--log-timers-to-tensorboard": "honoured", "--log-batch-size-to-tensorboard": "honoured",
+    "--no-log-learnig-rate-to-tensorboard": "honoured", "--no-log-loss-scale-to-tensorboard": "honoured",
+    "--log-validation-ppl-to-tensorboard": "honoured", "--log-optimizer-states-to-tensorboard": "honoured",
+    "--log-memory-to-tensorboard": "honoured", "--log-world-size-to-tensorboard": "honoured",
+    "--wandb-project": "refused", "--wandb-exp-name": "refused", "--wandb-save-dir": "no-op",
+}
+
 _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
             "log_optimizer_states_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
 

@@ -159,3 +159,22 @@ def test_params_norm_and_optimizer_states_against_hand_values():
             "variance_sqrt_abs_max": v.sqrt().max(), "momentum_abs_max": m.abs().max(), "weight_abs_max": w.abs().max()}
     for k, val in want.items():
         assert got[k] == pytest.approx(float(val), rel=1e-9), k
+
+
+def test_every_upstream_logging_flag_is_parsed_and_classed():
+    from megatron.training.log_options import FLAG_CLASSES
+
+    values = {"--log-interval": "5", "--tensorboard-dir": "d", "--timing-log-level": "1", "--timing-log-option": "max",
+              "--tensorboard-log-interval": "2", "--tensorboard-queue-size": "9", "--wandb-project": "p",
+              "--wandb-exp-name": "e", "--wandb-save-dir": "s"}
+    assert set(FLAG_CLASSES.values()) <= {"honoured", "no-op", "refused"}
+    for flag, cls in FLAG_CLASSES.items():
+        argv = [flag] + ([values[flag]] if flag in values else [])
+        args = parse_args(argv)  # accepted by the parser
+        if cls == "refused":
+            with pytest.raises(ConfigError, match=flag):
+                LogOptions.from_args(args)
+        elif cls == "no-op":
+            assert any(flag in note for note in LogOptions.from_args(args).notes), flag  # said in the log
+        elif flag != "--log-interval":  # that one lives in TrainingConfig
+            assert LogOptions.from_args(args) != LogOptions.from_args(parse_args([])), flag  # reaches the options
