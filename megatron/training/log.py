@@ -73,7 +73,7 @@ class TrainingLogger:
         seq = self.run.model.seq_length
         tb.write_training(self.writer, self.opts, it, consumed, consumed * seq, loss=loss, lr=res.lr,
                           batch_size=batch_size, loss_scale=res.loss_scale, world_size=self.world,
-                          grad_norm=res.grad_norm, params_norm=self.params_norm)
+                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq)
 
     def _emit(self, it: int, res, consumed: int) -> None:
         t = self.run.training

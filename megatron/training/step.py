@@ -83,10 +83,8 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
         for i in range(num_microbatches):
             with timers("batch-generator"):
                 batch = next(data_iterator)
-            with timers("forward-compute"):
-                loss = forward_step(engine, batch)
-            with timers("backward-compute"):
-                engine.backward(loss)
+            loss = forward_step(engine, batch)
+            engine.backward(loss)
             if i == num_microbatches - 1:
                 break  # the last micro-batch's step is the optimizer step, timed apart as upstream's
             engine.step()  # not at the accumulation boundary: DeepSpeed only counts the micro-batch

@@ -37,7 +37,7 @@ def _series(writer, tag: str, value: float, it: int, samples: int, tokens: int) 
 
 def write_training(writer, opts: LogOptions, it: int, samples: int, tokens: int, *, loss: float, lr: float,
                    batch_size: int, loss_scale: float | None, world_size: int, grad_norm: float | None,
-                   params_norm: float | None) -> None:
+                   params_norm: float | None, seq_length: int | None = None) -> None:
     """Upstream training_log's scalars of one iteration (written at --tensorboard-log-interval)."""
     writer.add_scalar("steps-vs-samples/y=steps,x=samples", it, samples)
     writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, it)
@@ -56,6 +56,8 @@ def write_training(writer, opts: LogOptions, it: int, samples: int, tokens: int,
         _series(writer, "grad-norm/grad-norm", grad_norm, it, samples, tokens)
     if params_norm is not None:
         _series(writer, "params-norm/params-norm", params_norm, it, samples, tokens)
+    if seq_length is not None:  # upstream's pretrain_gpt sets args.actual_seq_length, so it always writes this
+        _series(writer, "seqlen/actual_seq_length", seq_length, it, samples, tokens)
     if opts.memory_to_tb:
         acc = get_accelerator()
         stats = acc.memory_stats() or {}

@@ -1,10 +1,12 @@
 """--timing-log-level / --timing-log-option timers, reported as upstream Megatron-DeepSpeed's.
 
 Level 1 times each iteration's forward-backward and its optimizer step (after a barrier over all ranks unless
---no-barrier-with-level-1-timing); level 2 adds batch-generator, forward-compute and backward-compute per
-micro-batch. Every timer synchronizes the device at start and stop, so levels 1 and 2 slow the run down (as
-upstream warns). At level 0 no timer exists: iteration time alone is measured (by the training log). DeepSpeed's
-pipeline engine runs its own schedule: there, as in upstream's pipeline path, these timers do not exist.
+--no-barrier-with-level-1-timing); level 2 adds batch-generator (loading each micro-batch). These are the timers
+upstream reports under --deepspeed without a pipeline (run on CPU at 4efb479d, its level 2 prints forward-backward,
+batch-generator and optimizer; tests/fixtures/upstream_tensorboard). Every timer synchronizes the device at start
+and stop, so levels 1 and 2 slow the run down (as upstream warns). At level 0 no timer exists: iteration time alone
+is measured (by the training log). DeepSpeed's pipeline engine runs its own schedule: there, as in upstream's
+pipeline path, these timers do not exist.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import comm
 
 # Upstream's print order (training_log's timers_to_log), restricted to the timers this trainer has.
-TIMERS_TO_LOG = ("forward-backward", "forward-compute", "backward-compute", "batch-generator", "optimizer")
-LEVEL = {"forward-backward": 1, "optimizer": 1, "forward-compute": 2, "backward-compute": 2, "batch-generator": 2}
+TIMERS_TO_LOG = ("forward-backward", "batch-generator", "optimizer")
+LEVEL = {"forward-backward": 1, "optimizer": 1, "batch-generator": 2}
 
 
 class _Timer:

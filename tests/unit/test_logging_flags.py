@@ -32,7 +32,7 @@ class _Rec:
 def _written(opts: LogOptions, loss_scale=None, params=None) -> dict:
     w = _Rec()
     tb.write_training(w, opts, 3, 24, 768, loss=2.5, lr=1e-4, batch_size=8, loss_scale=loss_scale, world_size=4,
-                      grad_norm=0.5, params_norm=params)
+                      grad_norm=0.5, params_norm=params, seq_length=32)
     return w.scalars
 
 
@@ -47,7 +47,7 @@ STEPS = {"steps-vs-samples/y=steps,x=samples", "steps-vs-samples/y=samples,x=ste
 def test_default_tags_are_upstreams():
     got = _written(_opts("--tensorboard-dir", "x"))
     assert set(got) == STEPS | _series("learning-rate/learning-rate") | _series("lm-loss-training/lm loss") | \
-        _series("grad-norm/grad-norm")
+        _series("grad-norm/grad-norm") | _series("seqlen/actual_seq_length")
     # x axes: iteration, consumed samples, consumed tokens (upstream's custom steps)
     assert got["lm-loss-training/lm loss"] == [(3, 2.5)]
     assert got["lm-loss-training/lm loss vs samples"] == [(24, 2.5)]
@@ -123,15 +123,15 @@ def test_timers_levels_and_options():
         t = Timers(**_timer_kwargs(_opts("--timing-log-level", "1", "--timing-log-option", option)))
         with t("forward-backward"):
             sum(range(10000))
-        with t("forward-compute"):  # level 2: not timed at level 1
+        with t("batch-generator"):  # level 2: not timed at level 1
             pass
         out = t.report(1.0)
-        assert out.startswith(needle) and "forward-backward" in out and "forward-compute" not in out, out
+        assert out.startswith(needle) and "forward-backward" in out and "batch-generator" not in out, out
         line = out.splitlines()[1]
         assert ("(" in line) == (option == "minmax")
         assert ("rank  0" in out) == (option == "all")
     t2 = Timers(**_timer_kwargs(_opts("--timing-log-level", "2", "--no-barrier-with-level-1-timing")))
-    assert t2("forward-compute") is not None and t2("optimizer").barrier is False
+    assert t2("batch-generator").barrier is False and t2("optimizer").barrier is False
     assert Timers(**_timer_kwargs(_opts("--timing-log-level", "1")))("optimizer").barrier is True
 
 
