@@ -3,8 +3,10 @@ own event reader), a finished run evaluates the valid and test splits at the end
 saved checkpoint to the same numbers. One 3-iteration run with every honoured logging flag (2 ranks, ZeRO-1: DP=2
 averages and reductions), one --skip-train run."""
 
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,19 @@ FLAGS = ["--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard
          "--log-memory-to-tensorboard", "--log-timers-to-tensorboard", "--timing-log-level", "2",
          "--timing-log-option", "max", "--log-params-norm", "--log-optimizer-states-to-tensorboard",
          "--tensorboard-log-interval", "2", "--no-log-learnig-rate-to-tensorboard", "--log-num-zeros-in-grad"]
+
+
+UPSTREAM = json.loads((Path(__file__).parents[1] / "fixtures" / "upstream_tensorboard" / "tags.json").read_text())
+
+
+def _series(*tags: str) -> set[str]:
+    return {f"{t}{s}" for t in tags for s in ("", " vs samples", " vs tokens")}
+
+
+# Written here beyond upstream's run: the grad norm (upstream under --deepspeed without a pipeline has none),
+# --log-params-norm and --log-memory-to-tensorboard (upstream cannot run them on CPU), our throughput series.
+EXTRAS = _series("grad-norm/grad-norm", "params-norm/params-norm") | {
+    "mem-reserved-bytes", "mem-allocated-bytes", "tokens-per-sec", "TFLOPs", "MFU", "mem-GB"}
 
 
 def _args(**over) -> list[str]:
@@ -49,6 +64,19 @@ def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     base += ["--zero-stage", "1", "--eval-interval", "2", "--save", str(tmp_path / "ck")]
     out = run_pretrain(2, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS]).stdout
     tags = _scalars(str(tmp_path / "tb"))
+
+    # The same tags as upstream's own run with these flags, at the same iterations (tests/fixtures/upstream_tensorboard;
+    # its run kept the learning rate, which this one turns off).
+    upstream = {t: steps for t, steps in UPSTREAM["scalars"].items() if not t.startswith("learning-rate/")}
+    assert set(upstream) <= set(tags), sorted(set(upstream) - set(tags))
+    assert set(tags) - set(upstream) <= EXTRAS, sorted(set(tags) - set(upstream) - EXTRAS)
+    for tag, steps in upstream.items():
+        if " vs " not in tag and "=" not in tag:  # the iteration axis (samples and tokens depend on the batch shape)
+            assert [s for s, _ in tags[tag]] == steps, (tag, tags[tag], steps)
+    assert [re.sub(r"\d+-sample", "N-sample", p) for p in UPSTREAM["evaluation_lines"]] == \
+        [re.sub(r"\d+-sample", "N-sample", p) for p in _evals(out)]
+    setup = {"model-and-optimizer-setup"}  # printed once at start-up by upstream, not a training timer
+    assert set(re.findall(r"^    ([a-z-]+) \.+: \d+\.\d\d$", out, re.M)) == set(UPSTREAM["timer_lines"]) - setup
 
     # Stdout: periodic validation at 2, then valid and test at the end over eval_iters x GBS = 8 samples.
     evals = _evals(out)
