@@ -144,7 +144,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     losses, lrs, it, decision = {}, {}, resume.iteration, None
     resume.restore_rng()
     if opts.skip_train:
-        print_rank0("> skipping training (--skip-train is on) ...", rank)
+        print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
     for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
         res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
                                                                                  providers.forward_step, timers)
