@@ -17,6 +17,12 @@ class _NoTimers:
     def __call__(self, name):
         return contextlib.nullcontext()
 
+    def start(self, name) -> None:
+        pass
+
+    def stop(self, name) -> None:
+        pass
+
 
 _NO_TIMERS = _NoTimers()
 
@@ -79,23 +85,22 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
     timers = timers or _NO_TIMERS
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
     total, norm = None, None
-    with timers("forward-backward"):
-        for i in range(num_microbatches):
-            with timers("batch-generator"):
-                batch = next(data_iterator)
-            loss = forward_step(engine, batch)
-            engine.backward(loss)
-            if i == num_microbatches - 1:
-                break  # the last micro-batch's step is the optimizer step, timed apart as upstream's
-            engine.step()  # not at the accumulation boundary: DeepSpeed only counts the micro-batch
-            # Summed on the device in micro-batch order: no host sync per micro-batch.
-            total = loss.detach().float() if total is None else total + loss.detach().float()
-    if _plain_fp32(engine):
-        # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
-        norm = grad_norm(engine.module.parameters(), engine.mpu)
-    with timers("optimizer"):
+    timers.start("forward-backward")
+    for i in range(num_microbatches):
+        with timers("batch-generator"):
+            batch = next(data_iterator)
+        loss = forward_step(engine, batch)
+        engine.backward(loss)
+        if i == num_microbatches - 1 and _plain_fp32(engine):
+            # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
+            norm = grad_norm(engine.module.parameters(), engine.mpu)
+        if i == num_microbatches - 1:  # the boundary step is the optimizer step, timed apart as upstream's
+            timers.stop("forward-backward")
+            timers.start("optimizer")
         engine.step()
-    total = loss.detach().float() if total is None else total + loss.detach().float()
+        # Summed on the device in micro-batch order: no host sync per micro-batch.
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    timers.stop("optimizer")
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None

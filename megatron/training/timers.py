@@ -64,6 +64,12 @@ class Timers:
             self._timers[name] = _Timer(barrier=lvl == 1 and self.barrier_l1)
         return self._timers[name]
 
+    def start(self, name: str) -> None:
+        self(name).__enter__()
+
+    def stop(self, name: str) -> None:
+        self(name).__exit__(None, None, None)
+
     def _all_ranks(self, reset: bool) -> torch.Tensor | None:
         """[world, len(TIMERS_TO_LOG)] seconds since the last reset, every rank's (collective over all ranks)."""
         if self.level == 0:
