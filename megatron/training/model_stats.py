@@ -59,7 +59,8 @@ def _adam_states(optimizer) -> list:
 
 def optimizer_stats(optimizer, pstate: ParallelState, zero_stage: int) -> dict[str, float]:
     """Upstream's twelve optimizer-state statistics. Sums run over DP when ZeRO partitions the states, and over
-    TP and PP as upstream's (a TP-replicated tensor counts once per TP rank there too)."""
+    TP and PP as upstream's: a TP-replicated tensor counts once per TP rank, and a pipeline's tied embedding once
+    per stage holding it (each has its own Adam state), so weight_l2 exceeds params_norm there, as upstream's."""
     sums = torch.zeros(8, dtype=torch.float64)
     maxes = torch.zeros(4, dtype=torch.float64)
     for p, st in _adam_states(optimizer):
