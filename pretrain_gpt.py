@@ -61,7 +61,8 @@ def vocab_size(args) -> int:
 
 
 def datasets_provider(args, run, num_samples):
-    """(train, valid) datasets; every item is {"text": int64 array of seq_length + 1 tokens}."""
+    """(train, valid, test) datasets for --split's three parts; every item is {"text": int64 array of
+    seq_length + 1 tokens}. ``num_samples``: (train, valid, test) samples wanted; a split given none is None."""
     seq, seed = run.model.seq_length, run.training.seed
     if args.data_path:
         import deepspeed.comm as dist
@@ -69,21 +70,21 @@ def datasets_provider(args, run, num_samples):
         from megatron.data.gpt_builder import build_train_valid_test_datasets
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        train, valid, _ = build_train_valid_test_datasets(
-            args.data_path, args.split, seq, seed, (num_samples[0], num_samples[1], 0), args.data_cache_path,
+        return build_train_valid_test_datasets(
+            args.data_path, args.split, seq, seed, tuple(num_samples), args.data_cache_path,
             _tokenizer(args).vocab_size, barrier=dist.barrier if dist.is_initialized() else None,
             build_on_this_rank=rank == 0, log=lambda m: print(m, flush=True) if rank == 0 else None,
             per_epoch_order=args.per_epoch_doc_shuffle)
-        return train, valid
     if args.demo_corpus:
         from megatron.data.demo_corpus import ByteWindowDataset
 
-        return ByteWindowDataset(seq, seed, "train"), ByteWindowDataset(seq, seed, "valid")
+        return ByteWindowDataset.splits(seq, seed, tuple(num_samples[1:]))
     from megatron.data.mock_dataset import MockGPTDataset
 
     vocab = run.model.vocab_size
-    return MockGPTDataset(num_samples[0], seq, vocab, seed), MockGPTDataset(max(1, num_samples[1]), seq, vocab,
-                                                                            seed + 1)
+    test = MockGPTDataset(num_samples[2], seq, vocab, seed + 2) if num_samples[2] > 0 else None
+    return (MockGPTDataset(num_samples[0], seq, vocab, seed), MockGPTDataset(max(1, num_samples[1]), seq, vocab,
+                                                                             seed + 1), test)
 
 
 def forward_step(model, batch):

@@ -135,6 +135,32 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
+    # Upstream Megatron-DeepSpeed's logging flags (megatron/training/log_options.py says what each does here).
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="write TensorBoard scalars every N iters")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events the TensorBoard writer queues before it flushes to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time and the --timing-log-level timers to TensorBoard")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
+                   dest="log_learning_rate_to_tensorboard", action="store_false",
+                   help="(upstream's spelling, 'learnig', is kept; the correct one is accepted too)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-optimizer-states-to-tensorboard", action="store_true",
+                   help="norms and max of Adam's moments and the weights (one reduction per written iteration)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true", help="compute and log the parameters' L2 norm")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time only; 1: + forward-backward, optimizer; 2: + per micro-batch timers")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="timers printed as the max, (min, max) or every rank's time")
+    g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", action="store_false",
+                   help="level-1 timers start without a barrier over all ranks")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate the --load'ed checkpoint on the valid and test splits, then exit")
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is always used")
     g.add_argument("--deepspeed_config", "--deepspeed-config", "--deepscale_config", dest="deepspeed_config",

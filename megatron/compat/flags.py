@@ -103,6 +103,9 @@ NOOPS: dict[str, NoOp] = {
     "--contigious-checkpointing": NoOp("it only packs DeepSpeed's checkpoint partitions into one buffer (allocator "
                                        "layout); each checkpointed input is its own tensor here"),
     "--ds_fused_adam": NoOp("the same AdamW update: torch's fused AdamW is used on every accelerator"),
+    "--log-num-zeros-in-grad": NoOp("under --deepspeed upstream's train_step returns no count either (it comes only "
+                                    "from Megatron's own optimizer)"),
+    "--wandb-save-dir": NoOp("without --wandb-project upstream starts no wandb writer either"),
     "--deepscale": NoOp("DeepSpeed is always used here (an old spelling of --deepspeed)"),
     # GPT needs none of these
     "--decoder-seq-length": NoOp(_NOT_GPT),
@@ -200,6 +203,9 @@ REFUSALS: dict[str, Refused] = {
     "--train-shuffle-idx-path": Refused("index caches are found through --data-cache-path"),
     "--repeated-dataloader": Refused("the loader already runs across epochs: drop the flag"),
     "--trust-remote-code": Refused("tokenizers never run code from their directory here: drop the flag"),
+    "--wandb-project": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR (wandb can "
+                               "import it: `wandb sync DIR`)"),
+    "--wandb-exp-name": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR"),
     # checkpoints
     "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
     "--universal-checkpoint": Refused("convert with tools/reshard_checkpoint.py, then --load the full state"),
@@ -214,26 +220,7 @@ REFUSALS: dict[str, Refused] = {
     "--override-opt_param-scheduler": Refused("not built yet: drop the flag"),
     "--use-checkpoint-opt_param-scheduler": Refused("not built yet: drop the flag"),
     "--rampup-batch-size": Refused("not built yet: drop the flag"),
-    "--skip-train": Refused("not built yet: drop the flag"),
     "--ds-sequence-parallel-size": Refused("not built yet: use --ds-sequence-parallel-size 1"),
-    "--log-params-norm": Refused("not built yet: drop the flag"),
-    "--log-num-zeros-in-grad": Refused("not built yet: drop the flag"),
-    "--timing-log-level": Refused("not built yet: drop the flag"),
-    "--no-barrier-with-level-1-timing": Refused("not built yet: drop the flag"),
-    "--timing-log-option": Refused("not built yet: drop the flag"),
-    "--tensorboard-log-interval": Refused("not built yet: drop the flag"),
-    "--tensorboard-queue-size": Refused("not built yet: drop the flag"),
-    "--log-timers-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--log-batch-size-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--no-log-learnig-rate-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--no-log-loss-scale-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--log-validation-ppl-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--log-optimizer-states-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--log-memory-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--log-world-size-to-tensorboard": Refused("not built yet: drop the flag"),
-    "--wandb-project": Refused("not built yet: drop the flag"),
-    "--wandb-exp-name": Refused("not built yet: drop the flag"),
-    "--wandb-save-dir": Refused("not built yet: drop the flag"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {

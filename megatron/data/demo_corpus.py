@@ -55,22 +55,36 @@ BYTE_EOD = 256
 
 class ByteWindowDataset:
     """Fixed windows of seq_length+1 byte tokens over the concatenated corpus, in a seeded shuffled
-    order; ``part`` 'train' or 'valid' takes disjoint windows (the last 5% are validation)."""
+    order; ``part`` 'train', 'valid' or 'test' takes disjoint windows (the first 5% of that order are validation,
+    the last 1% test). ``num_samples``: a length to report instead of the window count (an evaluation split
+    repeats its windows, as Megatron's GPTDataset repeats epochs); ``tokens``: the corpus, when already built."""
 
-    def __init__(self, seq_length: int, seed: int, part: str = "train", max_bytes: int = 4_000_000) -> None:
-        chunks = []
-        for doc in demo_documents(max_bytes):
-            chunks.append(np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64))
-            chunks.append(np.array([BYTE_EOD], dtype=np.int64))
-        self.tokens = np.concatenate(chunks)
+    def __init__(self, seq_length: int, seed: int, part: str = "train", max_bytes: int = 4_000_000,
+                 num_samples: int | None = None, tokens: np.ndarray | None = None) -> None:
+        if tokens is None:
+            chunks = []
+            for doc in demo_documents(max_bytes):
+                chunks.append(np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64))
+                chunks.append(np.array([BYTE_EOD], dtype=np.int64))
+            tokens = np.concatenate(chunks)
+        self.tokens = tokens
         self.seq = seq_length
         n_windows = (len(self.tokens) - 1) // seq_length
         order = np.random.default_rng(seed).permutation(n_windows)
         n_valid = max(1, n_windows // 20)
-        self.windows = order[n_valid:] if part == "train" else order[:n_valid]
+        n_test = max(1, n_windows // 100)  # out of train's tail: train's first windows keep their order
+        self.windows = {"train": order[n_valid:-n_test], "valid": order[:n_valid], "test": order[-n_test:]}[part]
+        self.num_samples = num_samples
+
+    @classmethod
+    def splits(cls, seq_length: int, seed: int, eval_samples: tuple[int, int] = (0, 0)) -> tuple:
+        """(train, valid, test) over one read of the corpus; valid/test at least ``eval_samples`` long."""
+        train = cls(seq_length, seed, "train")
+        return (train, *(cls(seq_length, seed, part, num_samples=n or None, tokens=train.tokens)
+                         for part, n in zip(("valid", "test"), eval_samples, strict=True)))
 
     def __len__(self) -> int:
-        return len(self.windows)
+        return max(len(self.windows), self.num_samples or 0)
 
     def __getitem__(self, idx: int) -> dict:
         start = int(self.windows[idx % len(self.windows)]) * self.seq

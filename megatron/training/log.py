@@ -12,6 +12,8 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.config import RunConfig
 from megatron.perf.flops import iteration_flops
+from megatron.training import tensorboard as tb
+from megatron.training.log_options import LogOptions
 
 
 def print_rank0(msg: str, rank: int) -> None:
@@ -29,8 +31,12 @@ def memory_gb() -> float:
 
 
 class TrainingLogger:
-    def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float, writer=None) -> None:
+    def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float, writer=None,
+                 opts: LogOptions | None = None) -> None:
         self.run, self.rank, self.writer = run, rank, writer
+        self.opts = opts or LogOptions(tensorboard_dir=run.training.tensorboard_dir)
+        self.params_norm: float | None = None
+        """--log-params-norm: the latest value (set by the loop on log steps), printed in the log line."""
         t, m = run.training, run.model
         flops = iteration_flops(m, t.global_batch_size, padded_vocab, m.recompute_granularity, m.recompute_num_layers)
         self.flops = flops
@@ -59,6 +65,16 @@ class TrainingLogger:
         self._emit(it, res, consumed)
         self._reset()
 
+    def tensorboard(self, it: int, loss: float, res, consumed: int, batch_size: int) -> None:
+        """This iteration's scalars under upstream's tags (the loop calls it at --tensorboard-log-interval with the
+        iteration's own DP-mean loss, as upstream's)."""
+        if self.writer is None or self.rank != 0:
+            return
+        seq = self.run.model.seq_length
+        tb.write_training(self.writer, self.opts, it, consumed, consumed * seq, loss=loss, lr=res.lr,
+                          batch_size=batch_size, loss_scale=res.loss_scale, world_size=self.world,
+                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq)
+
     def _emit(self, it: int, res, consumed: int) -> None:
         t = self.run.training
         dt = self.time_sum / self.n
@@ -71,6 +87,8 @@ class TrainingLogger:
         eta = (time.perf_counter() - self.start) / self.iters_done * (t.train_iters - it)
         mem = memory_gb()
         norm = "n/a" if res.grad_norm is None else f"{res.grad_norm:.3f}"
+        if self.opts.params_norm and self.params_norm is not None:
+            norm += f" | params norm: {self.params_norm:.3f}"  # upstream's place for it: after the grad norm
         scale = "1.0" if res.loss_scale is None else f"{res.loss_scale:.1f}"
         line = (
             f" iteration {it:8d}/{t.train_iters:8d} | consumed samples: {consumed:12d} | "
@@ -85,22 +103,21 @@ class TrainingLogger:
         )
         print_rank0(line, self.rank)
         if self.writer is not None and self.rank == 0:
-            for name, val in (("lm loss", self.loss_sum), ("learning-rate", res.lr), ("tokens-per-sec", tokens_per_s),
-                              ("TFLOPs", tflops), ("MFU", mfu), ("mem-GB", mem)):
+            # Our own throughput series (upstream has no TensorBoard tags for these); the rest: tensorboard.py.
+            for name, val in (("tokens-per-sec", tokens_per_s), ("TFLOPs", tflops), ("MFU", mfu), ("mem-GB", mem)):
                 self.writer.add_scalar(name, val, it)
-            if res.grad_norm is not None:
-                self.writer.add_scalar("grad-norm", res.grad_norm, it)
-            if res.loss_scale is not None:
-                self.writer.add_scalar("loss-scale", res.loss_scale, it)
-            self.writer.flush()
+            if self.opts.timers_to_tb:
+                tb.write_iteration_time(self.writer, dt, it, consumed, consumed * seq)
 
-    def validation(self, it: int, loss: float, label: str = "validation") -> None:
+    def validation(self, prefix: str, loss: float, it: int, consumed: int, test: bool = False,
+                   write: bool = True) -> None:
+        """Upstream's block: ' validation loss at <prefix> | lm loss value: ... | lm loss PPL: ... | ' between two
+        dashed lines as long as it, and the 'lm-loss-validation/...' scalars (not under --skip-train, as upstream)."""
         import math
 
         ppl = math.exp(min(20.0, loss))
-        bar = "-" * 100
-        print_rank0(f"{bar}\n {label} loss at iteration {it} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
-                    f"\n{bar}", self.rank)
-        if self.writer is not None and self.rank == 0:
-            self.writer.add_scalar(f"{label}/lm loss", loss, it)
-            self.writer.flush()
+        line = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        bar = "-" * (len(line) + 1)
+        print_rank0(f"{bar}\n{line}\n{bar}", self.rank)
+        if write and self.writer is not None and self.rank == 0:
+            tb.write_evaluation(self.writer, self.opts, loss, it, consumed, consumed * self.run.model.seq_length, test)

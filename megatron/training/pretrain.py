@@ -3,7 +3,7 @@
     pretrain(argv, model_provider, datasets_provider, forward_step)
 
 model_provider(run, pstate) -> nn.Module
-datasets_provider(args, run, train_valid_test_num_samples) -> (train, valid, vocab_size-independent)
+datasets_provider(args, run, train_valid_test_num_samples) -> (train, valid, test); test (or valid) may be None
 forward_step(model, batch) -> scalar loss
 """
 
@@ -20,19 +20,23 @@ from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, load_full_state, save_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import RunConfig
-from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
-from megatron.data.num_samples import train_valid_test_num_samples, valid_consumed_samples
+from megatron.data.num_samples import train_valid_test_num_samples
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
 from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import microbatches
 from megatron.training.control import RunControl
+from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.log import TrainingLogger, print_rank0
+from megatron.training.log_options import LogOptions
+from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
-from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches, pipe_train_step
+from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 from megatron.training.step import train_step
+from megatron.training.tensorboard import open_writer, write_optimizer_stats
+from megatron.training.timers import Timers
 from megatron.training.watchdog import start_watchdog
 
 
@@ -45,31 +49,7 @@ class Providers:
     """Vocabulary size (before padding) implied by the data/tokenizer flags."""
 
 
-def _dp_mean(value: float | torch.Tensor, pstate: ParallelState) -> float:
-    if pstate.dp.size == 1:
-        return comm.to_host(value)[0]
-    return comm.reduce_host([value], pstate.dp.group)[0] / pstate.dp.size
-
-
-def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int) -> float:
-    """Mean lm loss over ``iters`` global batches of the validation set, averaged over DP."""
-    engine.eval()
-    gas = run.training.grad_accumulation_steps(pstate.dp.size)
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for _ in range(iters * gas):
-            total = total + forward_step(engine, next(data)).float()  # summed on the device: no sync per batch
-            n += 1
-    engine.train()
-    return _dp_mean(total / max(1, n), pstate)
-
-
-def _tensorboard(run: RunConfig, rank: int):
-    if not run.training.tensorboard_dir or rank != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=run.training.tensorboard_dir)
+_dp_mean = dp_mean  # the DP average of a host number or device scalar (tests import it from here)
 
 
 def pretrain(argv, providers: Providers, extra_args=None) -> dict:
@@ -92,6 +72,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
                           "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
 
     # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
+    log_opts = LogOptions.from_args(args)
     ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
                                 clip_grad_given=args.clip_grad is not None)
     log_notes(ds_config, ranks.rank)  # JSON keys with no effect, unused optimizer/scheduler sections: said once
@@ -122,7 +103,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         resume = load_checkpoint(engine, run, pstate, ckpt, full)
         watchdog = start_watchdog(args.watchdog_timeout_secs)
-        return _train(args, run, pstate, engine, providers, resume, ckpt)
+        return _train(args, run, pstate, engine, providers, resume, ckpt, log_opts)
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
@@ -135,15 +116,19 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
 
 
 def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers, resume: Resume,
-           ckpt: CheckpointSettings) -> dict:
+           ckpt: CheckpointSettings, opts: LogOptions | None = None) -> dict:
     from megatron.engine import is_pipeline
 
+    opts = opts or LogOptions.from_args(args)
     t = run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
+    for note in opts.notes:
+        print_rank0(f"> {note}", rank)
+    # Upstream's sample counts: train, every evaluation's valid batches, and one evaluation's test batches.
     num_samples = train_valid_test_num_samples(t.train_iters, getattr(args, "train_samples", None), gbs,
                                                t.eval_interval, t.eval_iters)
-    train_ds, valid_ds = providers.datasets(args, run, num_samples)
+    train_ds, valid_ds, test_ds = (*providers.datasets(args, run, num_samples), None)[:3]
     mbs, dp = t.micro_batch_size, pstate.dp
     loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
     train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading)
@@ -154,41 +139,54 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
 
     peak, peak_src = device_peak_tflops(run.precision.name, t.peak_tflops)
     print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)
-    writer = _tensorboard(run, rank)
-    logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer)
+    # Upstream writes nothing to TensorBoard under --skip-train (not even the flags).
+    writer = None if opts.skip_train else open_writer(opts, rank, args, resume.iteration)
+    logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer, opts)
+    timers = Timers(opts.timing_level, opts.timing_option, opts.barrier_l1)
+    evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
+                            resume.iteration, logger,
+                            lambda ds, start: microbatches(ds, start, mbs, dp.rank, dp.size, **loading))
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
     losses, lrs, it, decision = {}, {}, resume.iteration, None
     resume.restore_rng()
-    for it in range(resume.iteration + 1, t.train_iters + 1):
+    if opts.skip_train:
+        print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
+    for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
         res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
-                                                                                 providers.forward_step)
+                                                                                 providers.forward_step, timers)
         consumed += gbs
         # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters
+        tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives
+        if opts.params_norm and (log_now or tb_now):
+            logger.params_norm = params_norm(engine.module, pstate)
+        if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
+            logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed, gbs)
+            if opts.optimizer_states_to_tb:
+                stats = optimizer_stats(engine.optimizer, pstate, engine.zero_optimization_stage())
+                if writer is not None:
+                    write_optimizer_stats(writer, stats, it, consumed * run.model.seq_length)
+            timers.write(writer, it, normalizer=max(1, interval_n))
         loss = None
         if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
-            loss = _dp_mean(interval_sum / interval_n, pstate)
+            loss = dp_mean(interval_sum / interval_n, pstate)
             interval_sum, interval_n = 0.0, 0
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
         logger.iteration(it, loss, res, consumed)
+        if log_now:
+            report = timers.report(normalizer=t.log_interval)
+            if report:
+                print_rank0(report, rank)
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
-        if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
-            seen = valid_consumed_samples(it, t.eval_interval, t.eval_iters, gbs, len(valid_ds))
-            valid = microbatches(valid_ds, seen, mbs, dp.rank, dp.size, **loading)
-            if pipelined:
-                valid = pipe_microbatches(valid)
-                loss = sum(pipe_evaluate_batch(engine, valid) for _ in range(t.eval_iters)) / t.eval_iters
-                logger.validation(it, loss)
-            else:
-                logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
+        evaluation.periodic(it, consumed)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
             save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
@@ -198,8 +196,11 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
         save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
+    final = {}
+    if not (decision and decision.exit):  # upstream exits (sys.exit) on these before its final evaluation
+        final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train)
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
-            "exit_reason": decision.reason if decision and decision.exit else None}
+            "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final}

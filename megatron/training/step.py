@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron.core import comm
+
+
+class _NoTimers:
+    """Stand-in for megatron.training.timers.Timers at --timing-log-level 0 (no timer exists)."""
+
+    def __call__(self, name):
+        return contextlib.nullcontext()
+
+    def start(self, name) -> None:
+        pass
+
+    def stop(self, name) -> None:
+        pass
+
+
+_NO_TIMERS = _NoTimers()
 
 
 @dataclass
@@ -61,22 +78,29 @@ def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
-               forward_step: Callable = gpt_forward_step) -> StepResult:
+               forward_step: Callable = gpt_forward_step, timers=None) -> StepResult:
     """Run ``num_microbatches`` forward/backward passes then one optimizer step. DeepSpeed scales
     each loss by 1/num_microbatches and averages gradients over DP, so the update is that of the
-    mean loss over the global batch."""
+    mean loss over the global batch. ``timers``: megatron.training.timers.Timers (--timing-log-level)."""
+    timers = timers or _NO_TIMERS
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
     total, norm = None, None
+    timers.start("forward-backward")
     for i in range(num_microbatches):
-        batch = next(data_iterator)
+        with timers("batch-generator"):
+            batch = next(data_iterator)
         loss = forward_step(engine, batch)
         engine.backward(loss)
         if i == num_microbatches - 1 and _plain_fp32(engine):
             # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
             norm = grad_norm(engine.module.parameters(), engine.mpu)
+        if i == num_microbatches - 1:  # the boundary step is the optimizer step, timed apart as upstream's
+            timers.stop("forward-backward")
+            timers.start("optimizer")
         engine.step()
         # Summed on the device in micro-batch order: no host sync per micro-batch.
         total = loss.detach().float() if total is None else total + loss.detach().float()
+    timers.stop("optimizer")
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None

@@ -1,5 +1,6 @@
-"""pretrain_gpt.py through torchrun: the lm loss at iteration 10 is the same for PP=1 on 1 process, PP=2 on
-2 processes and TP=2 x PP=2 x DP=2 on 8 processes (mock data, dropout 0, clipping active)."""
+"""pretrain_gpt.py through torchrun: the lm loss at iteration 10, and the valid and test losses of the evaluation at
+the end, are the same for PP=1 on 1 process, PP=2 on 2 processes and TP=2 x PP=2 x DP=2 on 8 processes (mock data,
+dropout 0, clipping active; the pipeline engine's eval_batch, averaged over DP)."""
 
 import os
 import re
@@ -14,9 +15,14 @@ from tests.launcher import free_port
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
-         "--mock-data", "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "0",
-         "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--mock-data", "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "1",
+         "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "100"]
 LOSS = re.compile(r"iteration\s+10/\s+10 \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
+END = re.compile(r"validation loss at iteration 10 on 8-sample draw from (validation|test) set \| lm loss value: (\S+)")
+
+
+def _end_losses(stdout: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in END.finditer(stdout)}
 
 
 def _torchrun(nproc: int, *extra: str) -> tuple[float, float, str]:
@@ -34,10 +40,16 @@ def _torchrun(nproc: int, *extra: str) -> tuple[float, float, str]:
 
 @pytest.mark.timeout(800)
 def test_lm_loss_at_iteration_10_matches_across_layouts():
-    ref, ref_norm, _ = _torchrun(1)
+    ref, ref_norm, ref_out = _torchrun(1)
+    ref_end = _end_losses(ref_out)
+    assert set(ref_end) == {"validation", "test"} and ref_end["validation"] != ref_end["test"], ref_out
     for nproc, extra in ((2, ("--pipeline-model-parallel-size", "2")),
                          (8, ("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"))):
         loss, norm, stdout = _torchrun(nproc, *extra)
         assert abs(loss - ref) <= 1e-4 * abs(ref), f"{nproc} processes {extra}: lm loss {loss} vs {ref}"
         assert abs(norm - ref_norm) <= 1e-2, f"{nproc} processes {extra}: grad norm {norm} vs {ref_norm}"
         assert "stages (pipeline engine (GPTModelPipe)" in stdout and "stage 1 (ranks" in stdout
+        end = _end_losses(stdout)
+        assert set(end) == set(ref_end), stdout
+        for split, value in end.items():
+            assert abs(value - ref_end[split]) <= 1e-4 * abs(ref_end[split]), (nproc, extra, split, value, ref_end)

@@ -1,6 +1,6 @@
 """pretrain() honours the data-loading flags: the sample counts it asks for are upstream's, --num-workers,
---dataloader-type and --per-epoch-doc-shuffle reach the loaders and datasets, and each evaluation reads on where the
-previous one stopped."""
+--dataloader-type and --per-epoch-doc-shuffle reach the loaders and datasets, and validation reads one stream for
+the whole run."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
     assert out["iterations"] == 4
     # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.
     assert out["asked"] == [(16, 12, 4)]
-    train, *valid = out["calls"]
+    train, valid, test = out["calls"]  # one validation stream for the whole run, then the test split once
     loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7}
     assert train == {"consumed": 0, "len": train["len"], "per_epoch": True, **loading}
-    assert [v["consumed"] for v in valid] == [0, 4]  # evaluations at 2 and 4: the second reads on
-    assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in valid)
+    assert (valid["consumed"], test["consumed"]) == (0, 0) and valid["len"] != test["len"]
+    assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in (valid, test))
