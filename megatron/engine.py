@@ -77,6 +77,12 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     _agree(cfg, "train_batch_size", t.global_batch_size, "--global-batch-size", source)
     _agree(cfg, "gradient_accumulation_steps", gas, "--global-batch-size/(--micro-batch-size x DP)", source)
     _agree(cfg, "gradient_clipping", float(o.clip_grad), "--clip-grad", source)
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if (cfg.get("zero_optimization", {}).get(k) or {}).get("device", "none") != "none"]
+    if t.rampup_batch_size is not None and offload:
+        # ZeRO-Offload sizes its host gradient accumulation for the JSON's accumulation steps at setup.
+        raise ConfigError(f"--rampup-batch-size with {source}'s zero_optimization.{offload[0]}: ZeRO-Offload "
+                          "keeps a fixed number of micro-batches per step; drop one of them")
 
     zero = cfg.setdefault("zero_optimization", {})
     if zero.get("stage", p.zero_stage) != p.zero_stage:
@@ -186,12 +192,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         return hierarchical_zero.create_engine(
             model, run, pstate, hcfg,
             lambda groups: make_adamw(groups, o, weight_decay=o.weight_decay),
-            lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
+            lambda opt: OptimizerParamScheduler.from_run(opt, run))
     ds_config = {k: v for k, v in ds_config.items() if k != hierarchical_zero.SECTION}
     # Fused AdamW on an accelerator (megatron/training/optimizer.py); host-offloaded states stay unfused.
     offload = (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
     optimizer = make_adamw(param_groups(model, o.weight_decay), o, device_type="cpu" if offload == "cpu" else None)
-    scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
+    scheduler = OptimizerParamScheduler.from_run(optimizer, run)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)

@@ -49,10 +49,12 @@ def _dp_mean(value: float | torch.Tensor, pstate: ParallelState) -> float:
     return comm.reduce_host([value], pstate.dp.group)[0] / pstate.dp.size
 
 
-def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int) -> float:
-    """Mean lm loss over ``iters`` global batches of the validation set, averaged over DP."""
+def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int,
+             num_microbatches: int | None = None) -> float:
+    """Mean lm loss over ``iters`` global batches of the validation set, averaged over DP. ``num_microbatches``:
+    the current step's count under --rampup-batch-size (upstream evaluates with it); default the constant one."""
     engine.eval()
-    gas = run.training.grad_accumulation_steps(pstate.dp.size)
+    gas = num_microbatches or run.training.grad_accumulation_steps(pstate.dp.size)
     total, n = 0.0, 0
     with torch.no_grad():
         for _ in range(iters * gas):
@@ -132,14 +134,20 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
            ckpt: CheckpointSettings) -> dict:
     from megatron.engine import is_pipeline
 
+    from megatron.training.schedule_config import micro_batch_plan
+
     t = run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
-    train_ds, valid_ds = providers.datasets(args, run, (t.train_iters * gbs, eval_runs * t.eval_iters * gbs))
+    # Upstream's train_valid_test_num_samples: --train-samples as given, else iterations x global batch.
+    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    train_ds, valid_ds = providers.datasets(args, run, (train_samples, eval_runs * t.eval_iters * gbs))
     mbs, dp = t.micro_batch_size, pstate.dp
     train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size)
-    gas = t.grad_accumulation_steps(dp.size)
+    plan = micro_batch_plan(run)  # the global batch of each step (--rampup-batch-size), from the consumed samples
+    seq = run.model.seq_length
+    scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
         train_data = pipe_microbatches(train_data)
@@ -152,12 +160,24 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
-    losses, lrs, it, decision = {}, {}, resume.iteration, None
+    losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     resume.restore_rng()
+    if t.rampup_batch_size is not None:
+        start, incr, ramp = t.rampup_batch_size
+        print_rank0(f"> global batch size ramps from {start} to {gbs} by {incr} over {ramp} samples "
+                    f"({t.train_iters} iterations in all)", rank)
     for it in range(resume.iteration + 1, t.train_iters + 1):
-        res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
+        if t.train_tokens is not None and consumed * seq >= t.train_tokens:
+            it -= 1  # upstream's loop condition: stop once --train-tokens are consumed
+            print_rank0(f"> --train-tokens {t.train_tokens} consumed after iteration {it}", rank)
+            break
+        if scheduler is not None:
+            scheduler.consumed_tokens = consumed * seq  # upstream's args.consumed_train_tokens, before the step
+        step_gbs = plan.global_batch(consumed)
+        n_micro = step_gbs // (mbs * dp.size)
+        res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, n_micro,
                                                                                  providers.forward_step)
-        consumed += gbs
+        consumed += step_gbs
         # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
@@ -170,8 +190,10 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
-        logger.iteration(it, loss, res, consumed)
+        logger.iteration(it, loss, res, consumed, step_gbs)
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
+        printed_lrs[it] = res.next_lr  # the lr the log prints (upstream's: the next update's)
+        batch_sizes[it] = step_gbs
         if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
             valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
             if pipelined:
@@ -179,7 +201,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                 loss = sum(pipe_evaluate_batch(engine, valid) for _ in range(t.eval_iters)) / t.eval_iters
                 logger.validation(it, loss)
             else:
-                logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters))
+                logger.validation(it, evaluate(engine, valid, run, pstate, providers.forward_step, t.eval_iters,
+                                               n_micro))
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
             save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
@@ -193,4 +216,5 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
+            "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None}
