@@ -89,13 +89,13 @@ def check_shape(shape: ScheduleShape, t, step_samples) -> None:
                       "--lr-warmup-tokens, or a warmup that is a whole number of global batches")
 
 
-# The fields the flags set and a checkpoint also records: (state key, ScheduleShape field, what upstream calls it).
-_SHAPE_KEYS = (("max_lr", "max_lr", "learning rate"), ("min_lr", "min_lr", "minimum learning rate"),
-               ("lr_warmup_steps", "warmup_steps", "warmup iterations"),
-               ("lr_warmup_tokens", "warmup_tokens", "warmup tokens"),
-               ("lr_decay_steps", "decay_steps", "total number of iterations"),
-               ("lr_decay_tokens", "decay_tokens", "decay tokens"),
-               ("lr_decay_style", "style", "learning rate decay style"))
+# The fields the flags set and a checkpoint also records: (state key, ScheduleShape field, name in messages).
+_SHAPE_KEYS = (("max_lr", "max_lr", "--lr"), ("min_lr", "min_lr", "--min-lr"),
+               ("lr_warmup_steps", "warmup_steps", "warmup length (samples)"),
+               ("lr_warmup_tokens", "warmup_tokens", "--lr-warmup-tokens"),
+               ("lr_decay_steps", "decay_steps", "decay length (samples)"),
+               ("lr_decay_tokens", "decay_tokens", "--lr-decay-tokens"),
+               ("lr_decay_style", "style", "--lr-decay-style"))
 # Older spellings upstream still reads (first found wins), and ours before the samples-based schedule.
 _ALIASES = {"max_lr": ("start_lr", "max_lr"), "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
             "lr_warmup_tokens": ("warmup_tokens", "lr_warmup_tokens"),
