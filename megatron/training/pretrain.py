@@ -30,7 +30,7 @@ from megatron.training.control import RunControl
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.peak import device_peak_tflops
 from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches, pipe_train_step
-from megatron.training.step import train_step
+from megatron.training.step import set_num_microbatches, train_step
 from megatron.training.watchdog import start_watchdog
 
 
@@ -175,8 +175,11 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
             scheduler.consumed_tokens = consumed * seq  # upstream's args.consumed_train_tokens, before the step
         step_gbs = plan.global_batch(consumed)
         n_micro = step_gbs // (mbs * dp.size)
-        res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, n_micro,
-                                                                                 providers.forward_step)
+        if pipelined:
+            set_num_microbatches(engine, n_micro)  # the pipeline engine's schedule follows its accumulation steps
+            res = pipe_train_step(engine, train_data)
+        else:
+            res = train_step(engine, train_data, n_micro, providers.forward_step)
         consumed += step_gbs
         # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.

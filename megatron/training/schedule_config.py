@@ -45,10 +45,6 @@ def validate_schedule(run) -> None:
         raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both set: "
                           "pick one (the flags' schedule or the checkpoint's)")
     plan = micro_batch_plan(run)
-    if t.rampup_batch_size is not None and run.parallel.pp > 1:
-        # DeepSpeed's pipeline engine sizes its buffers and schedule for one micro-batch count at setup.
-        raise ConfigError(f"{RAMP_FLAG} with --pipeline-model-parallel-size {run.parallel.pp}: the pipeline "
-                          "engine runs a fixed number of micro-batches per step; use PP=1 (ZeRO-0..3) for a ramp")
     if t.rampup_batch_size is not None and run.parallel.zero_hierarchy:
         raise ConfigError(f"{RAMP_FLAG} with --zero-hierarchy: hierarchical ZeRO runs a fixed number of "
                           "micro-batches per step; use --zero-stage 1..3 without --zero-hierarchy for a ramp")

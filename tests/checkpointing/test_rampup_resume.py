@@ -1,4 +1,5 @@
-"""--rampup-batch-size through pretrain_gpt.py on 2 gloo ranks (fp32, tiny model), all in one spawn:
+"""--rampup-batch-size through pretrain_gpt.py on 2 gloo ranks (fp32, tiny model), all in one spawn, with ZeRO-2
+over DP=2 and with DeepSpeed's pipeline engine (PP=2, ZeRO-1):
 
 1. the ramp's global batches and every applied / printed lr are upstream's (tests/fixtures/lr_schedule, case
    "rampup-cosine", from upstream's own calculator and scheduler);
@@ -18,17 +19,17 @@ from tests.launcher import free_port, run_distributed
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lr_schedule", "upstream_lr.json")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "32", "--log-interval", "1",
-        "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo",
-        "--zero-stage", "2"]
+        "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo"]
+LAYOUTS = {"zero2-dp2": ["--zero-stage", "2"], "pipeline-pp2": ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 STOP = 5  # mid-ramp: the fixture's batches are 2, 2, 2, 2, 4, 4, 6, 6, 8, ...
 
 
-def _runs(root: str, ports: list[int], ramp_flags: list[str]) -> dict:
+def _runs(root: str, ports: list[int], ramp_flags: list[str], layout: list[str]) -> dict:
     from tests.checkpointing.common import _pretrain
 
     def run(argv: list[str]) -> dict:
         os.environ["MASTER_PORT"] = str(ports.pop())  # a fresh rendezvous port per run
-        return _pretrain(TINY + argv)
+        return _pretrain(TINY + layout + argv)
 
     save = f"{root}/ckpt"
     out = {"straight": run(ramp_flags), "first": run(ramp_flags + ["--exit-interval", str(STOP), "--save", save]),
@@ -41,14 +42,17 @@ def _runs(root: str, ports: list[int], ramp_flags: list[str]) -> dict:
 
 
 @pytest.mark.timeout(400)
-def test_rampup_resume_mid_ramp_is_exact_and_upstreams(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_rampup_resume_mid_ramp_is_exact_and_upstreams(tmp_path, layout):
     with open(FIXTURE) as f:
         case = json.load(f)["cases"]["rampup-cosine"]
-    assert case["data_parallel_size"] == 2
+    # Upstream's case runs DP=2 with micro-batch 1; PP=2 leaves DP=1: the same global batches (every one a
+    # multiple of micro-batch x DP either way), so the same schedule.
     ports: set[int] = set()
     while len(ports) < 5:
         ports.add(free_port())
-    out = run_distributed(_runs, 2, timeout=400, root=str(tmp_path), ports=sorted(ports), ramp_flags=case["flags"])[0]
+    out = run_distributed(_runs, 2, timeout=400, root=str(tmp_path), ports=sorted(ports), ramp_flags=case["flags"],
+                          layout=LAYOUTS[layout])[0]
     straight, first, resumed = out["straight"], out["first"], out["resumed"]
     n = case["iterations"]
     assert straight["batch_sizes"] == {i + 1: b for i, b in enumerate(case["global_batch"])}
