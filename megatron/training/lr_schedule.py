@@ -116,13 +116,16 @@ def saved_shape_value(sd: dict, key: str):
     return None
 
 
-def shape_mismatches(shape: ScheduleShape, sd: dict, learned_warmup_tokens: bool = True) -> list[str]:
-    """Fields where the flags' schedule and a saved (upstream-format) state differ, named as upstream does."""
+def shape_mismatches(shape: ScheduleShape, sd: dict) -> list[str]:
+    """Fields where the flags' schedule and a saved (upstream-format) state differ, each as 'NAME SAVED in the
+    checkpoint, MINE from the flags'."""
     out = []
     for key, attr, name in _SHAPE_KEYS:
         mine, saved = getattr(shape, attr), saved_shape_value(sd, key)
-        if key == "lr_warmup_tokens" and mine is None and learned_warmup_tokens and shape.decay_tokens is not None:
-            continue  # recorded by the schedule itself at the end of a step-counted warmup, not set by a flag
+        if key == "lr_warmup_tokens" and mine is None and shape.decay_tokens is not None:
+            # Recorded by the schedule itself at the end of a step-counted warmup, not set by a flag (upstream
+            # compares it with the flag's None and fails to resume such a run without one of the two flags).
+            continue
         if mine != saved:
             out.append(f"{name} {saved} in the checkpoint, {mine} from the flags")
     return out
