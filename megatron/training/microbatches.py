@@ -66,6 +66,14 @@ class MicroBatchPlan:
             consumed_samples += self.global_batch(consumed_samples)
             yield consumed_samples
 
+    def samples_after(self, iterations: int, consumed_samples: int = 0) -> int:
+        """Samples consumed after ``iterations`` more steps (stepping only through the ramp)."""
+        done = 0
+        while done < iterations and self.rampup is not None and consumed_samples <= self.rampup[2]:
+            consumed_samples += self.global_batch(consumed_samples)
+            done += 1
+        return consumed_samples + (iterations - done) * self.global_batch_size
+
     def train_iters(self, train_samples: int) -> int:
         """Iterations of a --train-samples run, as upstream's update_train_iters: with a ramp, every step
         while the consumed count is at most SAMPLES, then whole final batches (a partial last one is dropped)."""

@@ -140,12 +140,13 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     rank = pstate.global_rank
     gbs = t.global_batch_size
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
-    # Upstream's train_valid_test_num_samples: --train-samples as given, else iterations x global batch.
-    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    plan = micro_batch_plan(run)  # the global batch of each step (--rampup-batch-size), from the consumed samples
+    # Upstream's train_valid_test_num_samples: --train-samples as given, else iterations x global batch (and never
+    # fewer than the iterations consume: upstream's ramp arithmetic can overshoot a tiny --train-samples).
+    train_samples = max(plan.samples_after(t.train_iters), t.train_samples or 0)
     train_ds, valid_ds = providers.datasets(args, run, (train_samples, eval_runs * t.eval_iters * gbs))
     mbs, dp = t.micro_batch_size, pstate.dp
     train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size)
-    plan = micro_batch_plan(run)  # the global batch of each step (--rampup-batch-size), from the consumed samples
     seq = run.model.seq_length
     scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)

@@ -7,6 +7,7 @@ from the consumed samples, DeepSpeed's ``step(increment=...)``).
 """
 
 import dataclasses
+import itertools
 import json
 import os
 
@@ -106,6 +107,9 @@ def test_micro_batch_plan_matches_upstream_calculator(table):
     assert [plan.global_batch(c) for c in range(n)] == table["current_global_batch"]
     assert [plan.num_microbatches(c) for c in range(n)] == table["num_microbatches"]
     assert {s: plan.train_iters(int(s)) for s in table["train_iters"]} == table["train_iters"]
+    steps = list(itertools.islice(plan.positions(), 40))
+    assert [plan.samples_after(i + 1) for i in range(40)] == steps
+    assert plan.samples_after(3, steps[4]) == steps[7]
 
 
 def test_samples_schedule_equals_iterations_schedule_where_they_coincide():

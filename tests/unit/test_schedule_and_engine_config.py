@@ -118,3 +118,21 @@ def test_flops_formula_matches_megatron_closed_form():
     f = iteration_flops(cfg, b, V, "full")
     assert f.model == pytest.approx(72 * b * s * L * h * h * (1 + s / (6 * h)) + 6 * b * s * h * V)
     assert f.recompute == pytest.approx(24 * b * s * L * h * h * (1 + s / (6 * h)))
+
+
+def test_rampup_with_zero_offload_is_refused(tmp_path):
+    """ZeRO-Offload sizes its host accumulation for the JSON's accumulation steps: a ramp is one line, before
+    any process group (and the same JSON without the ramp is accepted)."""
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+
+    def run(**ramp):
+        return RunConfig(model=named_model("debug"), parallel=ParallelConfig(world_size=2, zero_stage=2),
+                         training=TrainingConfig(micro_batch_size=1, global_batch_size=8, train_iters=None,
+                                                 train_samples=64, **ramp)).validate()
+
+    with pytest.raises(ConfigError, match="rampup-batch-size .*offload_optimizer"):
+        build_ds_config(run(rampup_batch_size=(4, 2, 16)), str(path))
+    assert build_ds_config(run(), str(path))["train_batch_size"] == 8
