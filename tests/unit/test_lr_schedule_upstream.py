@@ -138,6 +138,8 @@ REFUSED = {  # upstream asserts (or fails later) on each of these; here one line
     "ramp, iteration run": ["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"],
     "ramp not a multiple": ["--train-samples", "40", "--rampup-batch-size", "2", "3", "8"],
     "ramp start = gbs": ["--train-samples", "40", "--rampup-batch-size", "4", "2", "8"],
+    "ramp, hierarchical ZeRO": ["--train-samples", "40", "--rampup-batch-size", "2", "2", "8", "--zero-stage", "3",
+                                "--zero-hierarchy", "package,node,network"],
     "token decay, no warmup start": ["--train-iters", "10", "--lr-decay-tokens", "100", "--lr-decay-style", "linear"],
     "token decay, warmup off the grid": ["--train-iters", "10", "--lr-decay-tokens", "500", "--lr-warmup-fraction",
                                          "0.15"],
