@@ -104,10 +104,27 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    # Sample- and token-based forms, counted as upstream (megatron/training/lr_schedule.py).
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train this many samples (instead of --train-iters); the iterations follow, as upstream")
+    g.add_argument("--train-tokens", type=int, default=None, help="also stop once this many tokens are consumed")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    g.add_argument("--lr-warmup-tokens", type=int, default=None)
+    g.add_argument("--lr-decay-tokens", type=int, default=None, help="decay over tokens instead of steps")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, take the LR schedule from the flags, not the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, take the LR schedule from the checkpoint, not the flags")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCR", "SAMPLES"),
+                   help="grow the global batch from START by INCR over SAMPLES samples (needs --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=None,
                    help="0 disables clipping (default 1.0, or the DeepSpeed JSON's gradient_clipping, as upstream)")
@@ -350,8 +367,10 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
     """Validate everything together; raises ConfigError naming the flags and the fix."""
     if args.lr is None:
         raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
-    if args.train_iters is None:
-        raise ConfigError("--train-iters not given: set how many iterations to train")
+    if args.train_iters is None and getattr(args, "train_samples", None) is None:
+        raise ConfigError("--train-iters not given: set how many iterations (or --train-samples) to train")
+    if args.train_iters is not None and getattr(args, "train_samples", None) is not None:
+        raise ConfigError("--train-iters and --train-samples are both given: pick one")
     run = RunConfig(
         model=model_config_from_args(args, vocab_size),
         parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -365,7 +384,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                   clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                                   adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam),
+                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam,
+                                  **_schedule_fields(args)),
         precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
                                   initial_loss_scale=args.initial_loss_scale,
                                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
@@ -373,10 +393,25 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
         training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                                 train_iters=args.train_iters, eval_interval=args.eval_interval,
                                 eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
-                                tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops),
+                                tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
+                                train_samples=getattr(args, "train_samples", None),
+                                train_tokens=getattr(args, "train_tokens", None),
+                                rampup_batch_size=_rampup(args)),
     )
     run.notes = recompute_notes(args, run.model.recompute_granularity)
     if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
         run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
                          "(--position-embedding-type rope), as upstream")
     return run.validate()
+
+
+def _schedule_fields(args: argparse.Namespace) -> dict:
+    """The sample/token schedule flags (absent from parsers that predate them: their defaults)."""
+    names = ("lr_warmup_samples", "lr_decay_samples", "lr_warmup_tokens", "lr_decay_tokens",
+             "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+def _rampup(args: argparse.Namespace) -> tuple[int, int, int] | None:
+    ramp = getattr(args, "rampup_batch_size", None)
+    return tuple(ramp) if ramp is not None else None

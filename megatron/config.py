@@ -239,6 +239,15 @@ class OptimizerConfig:
     """--cpu-optimizer: DeepSpeed's CPU Adam (AdamW mode), as upstream; also used for ZeRO-Offload JSONs."""
     cpu_torch_adam: bool = False
     """--cpu_torch_adam: with --cpu-optimizer, torch's AdamW instead of DeepSpeed's CPU Adam (as upstream)."""
+    # Sample- and token-based schedule lengths and checkpoint semantics (megatron/training/lr_schedule.py).
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None
+    lr_warmup_tokens: int | None = None
+    lr_decay_tokens: int | None = None
+    override_opt_param_scheduler: bool = False
+    """On resume, the schedule's shape comes from the flags (upstream's --override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, the schedule's shape comes from the checkpoint. Neither flag: they must agree."""
 
     def validate(self) -> None:
         """Refuse what torch's AdamW would only refuse after the model is built (a traceback, then)."""
@@ -292,7 +301,13 @@ class PrecisionConfig:
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None
-    train_iters: int = 10
+    train_iters: int | None = 10
+    """Derived from ``train_samples`` (as upstream) when that is given."""
+    train_samples: int | None = None
+    train_tokens: int | None = None
+    """Training also stops once this many tokens are consumed (upstream's --train-tokens)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """--rampup-batch-size START INCR SAMPLES (megatron/training/microbatches.py)."""
     eval_interval: int = 1000
     eval_iters: int = 10
     log_interval: int = 100
@@ -338,4 +353,7 @@ class RunConfig:
         self.precision.validate()
         self.optimizer.validate()
         self.training.validate(self.parallel.dp)
+        from megatron.training.schedule_config import validate_schedule
+
+        validate_schedule(self)  # --train-samples / token / ramp arithmetic and upstream's schedule checks
         return self

@@ -95,6 +95,12 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     _agree(cfg, "train_batch_size", t.global_batch_size, "--global-batch-size", source)
     _agree(cfg, "gradient_accumulation_steps", gas, "--global-batch-size/(--micro-batch-size x DP)", source)
     _agree(cfg, "gradient_clipping", float(o.clip_grad), "--clip-grad", source)
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if (cfg.get("zero_optimization", {}).get(k) or {}).get("device", "none") != "none"]
+    if t.rampup_batch_size is not None and offload:
+        # ZeRO-Offload sizes its host gradient accumulation for the JSON's accumulation steps at setup.
+        raise ConfigError(f"--rampup-batch-size with {source}'s zero_optimization.{offload[0]}: ZeRO-Offload "
+                          "keeps a fixed number of micro-batches per step; drop one of them")
 
     zero = cfg.setdefault("zero_optimization", {})
     if zero.get("stage", p.zero_stage) != p.zero_stage:
@@ -230,12 +236,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         return hierarchical_zero.create_engine(
             model, run, pstate, hcfg,
             lambda groups: make_optimizer(groups, o, weight_decay=o.weight_decay),
-            lambda opt: OptimizerParamScheduler(opt, o, run.training.train_iters))
+            lambda opt: OptimizerParamScheduler.from_run(opt, run))
     ds_config = {k: v for k, v in ds_config.items() if k not in (hierarchical_zero.SECTION, NOTES_KEY)}
     # From the flags, as upstream (megatron/training/optimizer.py); ZeRO-Offload steps on the host.
     offload = ds_json.offload_device(ds_config) == "cpu"
     optimizer = make_optimizer(param_groups(model, o.weight_decay), o, offload=offload)
-    scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
+    scheduler = OptimizerParamScheduler.from_run(optimizer, run)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)

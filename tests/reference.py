@@ -23,7 +23,11 @@ def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int =
     else:
         opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
-    sched = OptimizerParamScheduler(opt, o, steps)
+    import dataclasses
+
+    # Megatron-DeepSpeed's schedule over ``steps`` iterations: counted in samples, first update at position 0.
+    sched = OptimizerParamScheduler.from_run(opt, dataclasses.replace(run, training=dataclasses.replace(
+        t, train_iters=steps)))
     mbs = t.micro_batch_size
     n_micro = t.global_batch_size // mbs
     data = microbatches(MockGPTDataset(dataset_size, m.seq_length, m.vocab_size, seed=data_seed), 0, mbs, 0, 1,
@@ -39,6 +43,6 @@ def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int =
         if o.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         opt.step()
-        sched.step()
+        sched.step(t.global_batch_size)
         losses.append(total / n_micro)
     return losses

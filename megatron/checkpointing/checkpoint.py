@@ -83,6 +83,8 @@ class Resume:
     consumed_samples: int = 0
     path: str | None = None
     lr_num_steps: int = 0
+    lr_state: dict | None = None
+    """The LR schedule's state_dict (samples and tokens); None in checkpoints older than it (lr_num_steps then)."""
     rng: dict | None = None
     """Saved RNG states of this rank; applied by ``restore_rng`` right before the first iteration, because
     set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
@@ -116,7 +118,8 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
     tables = comm.all_gather_object(partition_table(engine.module, run.model.num_layers))
     meta = {"iteration": iteration, "consumed_samples": consumed_samples, "args": plain_args(args),
             "run": plain_run(run), "has_optimizer": not settings.no_save_optim, "tag": tag,
-            "lr_num_steps": engine.lr_scheduler.num_steps if engine.lr_scheduler is not None else iteration,
+            "lr_num_steps": iteration,  # kept for older readers; the position is "lr_scheduler" (in samples)
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "partition_table": {k: v for t in tables for k, v in t.items()},
             "format": "megatron-frontier/deepspeed-v1"}
     if hzero_ckpt.is_engine(engine):  # hierarchical ZeRO: every rank writes its own file, RNG state included
@@ -247,7 +250,7 @@ def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: Chec
     if settings.finetune:
         return Resume(0, 0, settings.load)
     return Resume(int(meta.get("iteration", 0)), int(meta.get("consumed_samples", 0)), settings.load,
-                  int(meta.get("lr_num_steps", meta.get("iteration", 0))))
+                  int(meta.get("lr_num_steps", meta.get("iteration", 0))), meta.get("lr_scheduler"))
 
 
 def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: CheckpointSettings,
@@ -257,7 +260,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     ``load_full_state`` returned (the weights are in already; only the LR position is left to set)."""
     if full is not None:
         if engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict({"num_steps": full.lr_num_steps})
+            engine.lr_scheduler.load_state_dict(full.lr_state or {"num_steps": full.lr_num_steps})
             apply_schedule_lr(engine)
         optim = "optimizer and RNG start fresh"
         got = None if settings.finetune or settings.no_load_optim else read_full_moments(full.path)
@@ -282,6 +285,8 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
     validate_files(ckpt_dir)
+    if getattr(engine, "lr_scheduler", None) is not None:  # an older, iteration-counting schedule state: per step
+        engine.lr_scheduler.legacy_samples_per_step = int(meta["run"]["training"]["global_batch_size"])
     if hzero_ckpt.is_engine(engine):  # every rank reads only its own shard file
         hzero_ckpt.check_engine_layout(engine, meta, _ranks_per_node(engine), ckpt_dir)
         shard = hzero_ckpt.load_shard(engine, ckpt_dir, tdist.get_rank(), load_optim, not settings.finetune)

@@ -21,7 +21,10 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
     ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
     if is_full_state(path):
         full, meta = read_full_state(path)
-        return full, meta["model"], {k: meta.get(k, 0) for k in ("iteration", "consumed_samples", "lr_num_steps")}
+        progress = {k: meta.get(k, 0) for k in ("iteration", "consumed_samples", "lr_num_steps")}
+        if meta.get("lr_scheduler"):
+            progress["lr_scheduler"] = meta["lr_scheduler"]
+        return full, meta["model"], progress
     if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
         tag = read_latest(path)
         if tag is None:
@@ -30,6 +33,8 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
     meta = read_meta(ckpt_dir)
     progress = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                 "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
+    if meta.get("lr_scheduler"):
+        progress["lr_scheduler"] = meta["lr_scheduler"]
     return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
 
 

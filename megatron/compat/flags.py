@@ -211,15 +211,6 @@ REFUSALS: dict[str, Refused] = {
     "--universal-checkpoint": Refused("convert with tools/reshard_checkpoint.py, then --load the full state"),
     "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
     # being built in this session (sample/token schedules, ramp, logging, optimizer, recompute, Ulysses)
-    "--train-samples": Refused("not built yet: use --train-iters"),
-    "--train-tokens": Refused("not built yet: use --train-iters"),
-    "--lr-decay-samples": Refused("not built yet: use --lr-decay-iters"),
-    "--lr-decay-tokens": Refused("not built yet: use --lr-decay-iters"),
-    "--lr-warmup-samples": Refused("not built yet: use --lr-warmup-iters"),
-    "--lr-warmup-tokens": Refused("not built yet: use --lr-warmup-iters"),
-    "--override-opt_param-scheduler": Refused("not built yet: drop the flag"),
-    "--use-checkpoint-opt_param-scheduler": Refused("not built yet: drop the flag"),
-    "--rampup-batch-size": Refused("not built yet: drop the flag"),
     "--ds-sequence-parallel-size": Refused("not built yet: use --ds-sequence-parallel-size 1"),
 }
 
@@ -313,7 +304,6 @@ def apply(args: argparse.Namespace) -> list[str]:
 
 REFUSED_CHOICES: dict[str, dict[str, str]] = {
     "--distributed-backend": {"hccl": "Habana Gaudi devices are not supported"},
-    "--lr-decay-style": {"inverse-square-root": "not built yet"},
 }
 """Values of honoured flags that are refused (argparse names the flag and the valid choices in one line)."""
 

@@ -39,6 +39,7 @@ def check_load(settings, run: RunConfig) -> None:
     from megatron.checkpointing.checkpoint import missing_checkpoint_message, read_latest, read_meta
     from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
     from megatron.checkpointing.state import check_model_shape, check_resume
+    from megatron.training.lr_schedule import check_resume_schedule
 
     load = settings.load
     if not load:
@@ -55,6 +56,8 @@ def check_load(settings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, load)
+        if not settings.finetune:
+            check_resume_schedule(meta.get("lr_scheduler"), run, load)
         return
     tag = read_latest(load)
     if tag is None:
@@ -66,3 +69,5 @@ def check_load(settings, run: RunConfig) -> None:
     meta = read_meta(ckpt_dir)
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
+    if not settings.finetune:
+        check_resume_schedule(meta.get("lr_scheduler"), run, ckpt_dir)

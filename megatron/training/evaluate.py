@@ -26,9 +26,10 @@ def dp_mean(value: float | torch.Tensor, pstate: ParallelState) -> float:
 
 
 def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, iters: int,
-             pipelined: bool = False, verbose: bool = False) -> float:
+             pipelined: bool = False, verbose: bool = False, num_microbatches: int | None = None) -> float:
     """Mean lm loss over ``iters`` global batches, averaged over DP. ``data``: micro-batches of this DP rank (the
-    pipeline engine's tuples when ``pipelined``; DeepSpeed's eval_batch averages over DP itself)."""
+    pipeline engine's tuples when ``pipelined``; DeepSpeed's eval_batch averages over DP itself).
+    ``num_microbatches``: the current step's count under --rampup-batch-size (upstream evaluates with it)."""
     rank, log_interval = pstate.global_rank, run.training.log_interval
     if pipelined:
         total = 0.0
@@ -38,7 +39,7 @@ def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, 
             total += pipe_evaluate_batch(engine, data)
         return total / max(1, iters)
     engine.eval()
-    gas = run.training.grad_accumulation_steps(pstate.dp.size)
+    gas = num_microbatches or run.training.grad_accumulation_steps(pstate.dp.size)
     total, n = 0.0, 0
     with torch.no_grad():
         for i in range(1, iters + 1):
@@ -80,21 +81,23 @@ class Evaluation:
 
         return pipe_microbatches(endless()) if self.pipelined else endless()
 
-    def _loss(self, data, verbose: bool) -> float:
+    def _loss(self, data, verbose: bool, num_microbatches: int | None) -> float:
         return evaluate(self.engine, data, self.run, self.pstate, self.forward_step, self.run.training.eval_iters,
-                        self.pipelined, verbose)
+                        self.pipelined, verbose, num_microbatches)
 
     def _valid_data(self):
         if self._valid is None:
             self._valid = self._data(self.valid_ds, self.valid_start)
         return self._valid
 
-    def periodic(self, it: int, consumed: int) -> None:
+    def periodic(self, it: int, consumed: int, num_microbatches: int | None = None) -> None:
         """At every --eval-interval during training."""
         if self.on and self.valid_ds is not None and it % self.run.training.eval_interval == 0:
-            self.logger.validation(f"iteration {it}", self._loss(self._valid_data(), False), it, consumed)
+            loss = self._loss(self._valid_data(), False, num_microbatches)
+            self.logger.validation(f"iteration {it}", loss, it, consumed)
 
-    def at_end(self, it: int, consumed: int, write_tensorboard: bool) -> dict[str, float]:
+    def at_end(self, it: int, consumed: int, write_tensorboard: bool,
+               num_microbatches: int | None = None) -> dict[str, float]:
         """Valid then test, each on eval_iters global batches; returns {'valid': loss, 'test': loss} for those run."""
         out = {}
         draw = self.run.training.eval_iters * self.run.training.global_batch_size
@@ -102,7 +105,7 @@ class Evaluation:
             if not self.on or dataset is None:
                 continue
             data = self._valid_data() if name == "valid" else self._data(dataset, 0)
-            out[name] = loss = self._loss(data, True)
+            out[name] = loss = self._loss(data, True, num_microbatches)
             self.logger.validation(f"iteration {it} on {draw}-sample draw from {label} set", loss, it, consumed,
                                    test=name == "test", write=write_tensorboard)
         return out

@@ -51,8 +51,11 @@ class TrainingLogger:
         self.loss_sum, self.n, self.time_sum, self.skipped = 0.0, 0, 0.0, 0
         self.last = time.perf_counter()
 
-    def iteration(self, it: int, dp_mean_loss: float | None, res, consumed: int) -> None:
-        """Record one iteration; print at --log-interval. ``dp_mean_loss`` is only needed on log steps."""
+    def iteration(self, it: int, dp_mean_loss: float | None, res, consumed: int,
+                  global_batch: int | None = None) -> None:
+        """Record one iteration; print at --log-interval. ``dp_mean_loss`` is only needed on log steps.
+        ``global_batch``: this iteration's (it changes under --rampup-batch-size); default --global-batch-size."""
+        self.global_batch = global_batch or self.run.training.global_batch_size
         now = time.perf_counter()
         self.time_sum += now - self.last
         self.last = now
@@ -79,24 +82,27 @@ class TrainingLogger:
         t = self.run.training
         dt = self.time_sum / self.n
         seq = self.run.model.seq_length
-        tokens_per_s = t.global_batch_size * seq / dt
-        tflops = self.flops.total / dt / self.world / 1e12
+        gbs = self.global_batch
+        tokens_per_s = gbs * seq / dt
+        scale_flops = gbs / t.global_batch_size  # the FLOPs were counted for --global-batch-size
+        tflops = self.flops.total * scale_flops / dt / self.world / 1e12
         # Megatron prints %.2f; tiny CPU runs need more digits for the tuner to rank them.
         tflops_str = f"{tflops:.2f}" if tflops >= 1 else f"{tflops:.4f}"
-        mfu = 100.0 * self.flops.model / dt / self.world / 1e12 / self.peak
+        mfu = 100.0 * self.flops.model * scale_flops / dt / self.world / 1e12 / self.peak
         eta = (time.perf_counter() - self.start) / self.iters_done * (t.train_iters - it)
         mem = memory_gb()
         norm = "n/a" if res.grad_norm is None else f"{res.grad_norm:.3f}"
         if self.opts.params_norm and self.params_norm is not None:
             norm += f" | params norm: {self.params_norm:.3f}"  # upstream's place for it: after the grad norm
         scale = "1.0" if res.loss_scale is None else f"{res.loss_scale:.1f}"
+        lr = res.lr if getattr(res, "next_lr", None) is None else res.next_lr  # upstream prints the next update's
         line = (
             f" iteration {it:8d}/{t.train_iters:8d} | consumed samples: {consumed:12d} | "
             f"consumed tokens: {consumed * seq:14d} | elapsed time per iteration (ms): {dt * 1000:.1f} | "
-            f"learning rate: {res.lr:.3E} | global batch size: {t.global_batch_size:5d} | "
+            f"learning rate: {lr:.3E} | global batch size: {gbs:5d} | "
             f"lm loss: {self.loss_sum:.6E} | loss scale: {scale} | grad norm: {norm} | "
             f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: 0 | "
-            f"samples per second: {t.global_batch_size / dt:.3f} | tokens per second: {tokens_per_s:.1f} | "
+            f"samples per second: {gbs / dt:.3f} | tokens per second: {tokens_per_s:.1f} | "
             f"tokens per gpu per second (tgs): {tokens_per_s / self.world:.1f} | TFLOPs: {tflops_str} | "
             f"MFU: {mfu:.2f}% | recompute: {self.recompute} | mem (GB): {mem:.2f} | "
             f"ETA: {datetime.timedelta(seconds=int(eta))} |"

@@ -1,50 +1,226 @@
-"""Megatron's learning-rate schedule: linear warmup, then cosine or linear decay to --min-lr."""
+"""Megatron-DeepSpeed's learning-rate schedule, step for step.
+
+Upstream (megatron/optimizer_param_scheduler.py at 4efb479d) counts its position in *samples*: every optimizer
+step adds the step's global batch (num_microbatches x micro-batch x DP), whether the run is iteration-, sample-
+or token-based; the token count it reads is the trainer's consumed tokens *before* the step (its
+``args.consumed_train_tokens`` is raised after ``train_step`` returns). The schedule is first applied at
+construction (position 0), so the first update under warmup uses lr 0, and the lr the log prints after
+iteration k is the one iteration k+1 applies.
+
+``schedule_shape`` turns the flags into upstream's lengths (``get_optimizer_param_scheduler``) and refuses in one
+line what upstream would only assert on (or crash on) once the model is built.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-import torch
+from megatron.errors import CheckpointError, ConfigError
 
-from megatron.config import OptimizerConfig
-from megatron.errors import ConfigError
+STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass
+class ScheduleShape:
+    """Upstream's scheduler arguments. Steps are samples; ``warmup_steps`` is a float with --lr-warmup-fraction,
+    as upstream's (fraction x decay samples, never rounded)."""
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: float
+    decay_steps: float
+    style: str
+    warmup_tokens: int | None = None
+    decay_tokens: int | None = None
+
+
+def schedule_shape(o, t) -> ScheduleShape:
+    """``o``: OptimizerConfig, ``t``: TrainingConfig (with ``train_iters`` already derived for --train-samples).
+    The global batch here is the final one (--global-batch-size), also under --rampup-batch-size, as upstream."""
+    gbs = t.global_batch_size
+    if t.train_samples is None:  # iteration-based
+        decay = (t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters) * gbs
+        warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_iters * gbs
+    else:
+        decay = t.train_samples if o.lr_decay_samples is None else o.lr_decay_samples
+        warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_samples
+    return ScheduleShape(float(o.lr), o.min_lr, warmup, decay, o.lr_decay_style, o.lr_warmup_tokens,
+                         o.lr_decay_tokens)
+
+
+def _unit(t) -> tuple[str, int]:
+    return ("iterations", t.global_batch_size) if t.train_samples is None else ("samples", 1)
+
+
+def check_shape(shape: ScheduleShape, t, step_samples) -> None:
+    """Upstream's assertions, as one-line ConfigErrors. ``step_samples``: the samples position after each of
+    the first steps (an iterable, e.g. ``micro_batch_plan(t).positions()``), to prove that a token-based decay
+    after a step-counted warmup gets its start (see below)."""
+    unit, per = _unit(t)
+    decay_flag = "--lr-decay-iters (default --train-iters)" if unit == "iterations" else \
+        "--lr-decay-samples (default --train-samples)"
+    if shape.style not in STYLES:
+        raise ConfigError(f"--lr-decay-style {shape.style!r}: choose one of {', '.join(STYLES)}")
+    if shape.min_lr < 0 or shape.min_lr > shape.max_lr:
+        raise ConfigError(f"--min-lr {shape.min_lr:g} must be in [0, --lr {shape.max_lr:g}]")
+    if shape.decay_steps <= 0:
+        raise ConfigError(f"{decay_flag} gives a decay length of {shape.decay_steps / per:g} {unit}: it must be > 0")
+    if shape.warmup_steps >= shape.decay_steps:
+        raise ConfigError(f"the lr warmup ({shape.warmup_steps / per:g} {unit}) must be shorter than the decay "
+                          f"length ({shape.decay_steps / per:g} {unit}, {decay_flag}): shorten the warmup or "
+                          "lengthen the decay")
+    if shape.decay_tokens is None or shape.warmup_tokens is not None:
+        return
+    if shape.style in ("constant", "inverse-square-root"):
+        return  # these never read the warmup's token count
+    # Token-based decay after a step-counted warmup: upstream records the token count at the step whose position
+    # equals the warmup length exactly, and starts the decay from it; without such a step it has no start.
+    if shape.warmup_steps <= 0:
+        raise ConfigError(f"--lr-decay-tokens {shape.decay_tokens} with --lr-decay-style {shape.style} needs a "
+                          "warmup: give --lr-warmup-tokens (or a warmup in iterations/samples)")
+    for pos in step_samples:
+        if pos >= shape.warmup_steps:
+            if pos == shape.warmup_steps:
+                return
+            break
+    raise ConfigError(f"--lr-decay-tokens with a warmup of {shape.warmup_steps / per:g} {unit}: no optimizer step "
+                      "ends exactly at the warmup's end, so the decay has no start (upstream fails there); give "
+                      "--lr-warmup-tokens, or a warmup that is a whole number of global batches")
+
+
+# The fields the flags set and a checkpoint also records: (state key, ScheduleShape field, name in messages).
+_SHAPE_KEYS = (("max_lr", "max_lr", "--lr"), ("min_lr", "min_lr", "--min-lr"),
+               ("lr_warmup_steps", "warmup_steps", "warmup length (samples)"),
+               ("lr_warmup_tokens", "warmup_tokens", "--lr-warmup-tokens"),
+               ("lr_decay_steps", "decay_steps", "decay length (samples)"),
+               ("lr_decay_tokens", "decay_tokens", "--lr-decay-tokens"),
+               ("lr_decay_style", "style", "--lr-decay-style"))
+# Older spellings upstream still reads (first found wins), and ours before the samples-based schedule.
+_ALIASES = {"max_lr": ("start_lr", "max_lr"), "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+            "lr_warmup_tokens": ("warmup_tokens", "lr_warmup_tokens"),
+            "lr_decay_steps": ("end_iter", "decay_steps", "lr_decay_steps"),
+            "lr_decay_tokens": ("decay_tokens", "lr_decay_tokens"), "lr_decay_style": ("decay_style", "lr_decay_style")}
+
+
+def is_legacy_state(sd: dict) -> bool:
+    """Our schedule before it counted samples: {num_steps (iterations), max_lr, min_lr, warmup_steps,
+    decay_steps, style}, or a full-state checkpoint's bare {num_steps}."""
+    return "style" in sd or set(sd) == {"num_steps"}
+
+
+def saved_shape_value(sd: dict, key: str):
+    for name in _ALIASES.get(key, (key,)):
+        if name in sd:
+            return sd[name]
+    return None
+
+
+def shape_mismatches(shape: ScheduleShape, sd: dict) -> list[str]:
+    """Fields where the flags' schedule and a saved (upstream-format) state differ, each as 'NAME SAVED in the
+    checkpoint, MINE from the flags'."""
+    out = []
+    for key, attr, name in _SHAPE_KEYS:
+        mine, saved = getattr(shape, attr), saved_shape_value(sd, key)
+        if key == "lr_warmup_tokens" and mine is None and shape.decay_tokens is not None:
+            # Recorded by the schedule itself at the end of a step-counted warmup, not set by a flag (upstream
+            # compares it with the flag's None and fails to resume such a run without one of the two flags).
+            continue
+        if mine != saved:
+            out.append(f"{name} {saved} in the checkpoint, {mine} from the flags")
+    return out
+
+
+def mismatch_message(where: str, mismatches: list[str]) -> str:
+    return (f"--load {where}: the LR schedule differs from the checkpoint's ({'; '.join(mismatches)}): pass "
+            "--override-opt_param-scheduler to use the flags' schedule, or --use-checkpoint-opt_param-scheduler "
+            "to keep the checkpoint's")
+
+
+def check_resume_schedule(saved: dict | None, run, where: str) -> None:
+    """Before any process group: upstream's rule for a resumed schedule (OptimizerParamScheduler.load_state_dict)
+    on a checkpoint's saved state. Without --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler
+    the flags must give the checkpoint's schedule (upstream asserts; here one line naming both fixes)."""
+    o = run.optimizer
+    if not saved or is_legacy_state(saved) or o.override_opt_param_scheduler or o.use_checkpoint_opt_param_scheduler:
+        return
+    mismatches = shape_mismatches(schedule_shape(o, run.training), saved)
+    if mismatches:
+        raise CheckpointError(mismatch_message(where, mismatches))
 
 
 class OptimizerParamScheduler:
-    """Stepped once per optimizer step (DeepSpeed calls ``step()``); ``num_steps`` counts iterations."""
+    """Upstream's scheduler (learning rate only: the weight decay stays --weight-decay). DeepSpeed calls
+    ``step(increment=...)`` with the global batch of the step (``lr_kwargs``; the pipeline engine, which passes
+    none, falls back to ``step(train_batch_size())``, the same number). The trainer keeps ``consumed_tokens``
+    current, as upstream's ``args.consumed_train_tokens``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, train_iters: int) -> None:
+    def __init__(self, optimizer, shape: ScheduleShape, seq_length: int = 1, override: bool = False,
+                 use_checkpoint: bool = False, legacy_samples_per_step: int = 1) -> None:
+        if override and use_checkpoint:
+            raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
+                              "set: pick one")
         self.optimizer = optimizer
-        self.max_lr, self.min_lr, self.style = cfg.lr, cfg.min_lr, cfg.lr_decay_style
-        self.decay_steps = cfg.lr_decay_iters or train_iters
-        if cfg.lr_warmup_fraction is not None:
-            self.warmup_steps = int(cfg.lr_warmup_fraction * self.decay_steps)
-        else:
-            self.warmup_steps = cfg.lr_warmup_iters
-        if self.style not in ("constant", "linear", "cosine"):
-            raise ConfigError(f"--lr-decay-style {self.style!r}: choose constant, linear or cosine")
-        if self.min_lr > self.max_lr:
-            raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.max_lr}")
-        self.num_steps = 0
-        self._apply(self.get_lr(1))  # the first update uses the lr of step 1
+        self.max_lr, self.min_lr = float(shape.max_lr), shape.min_lr
+        self.lr_warmup_steps, self.lr_decay_steps = shape.warmup_steps, shape.decay_steps
+        self.lr_warmup_tokens, self.lr_decay_tokens = shape.warmup_tokens, shape.decay_tokens
+        self.lr_decay_style = shape.style
+        self.override, self.use_checkpoint = override, use_checkpoint
+        self.seq_length = seq_length
+        self.legacy_samples_per_step = legacy_samples_per_step
+        """Samples per step of a legacy (iteration-counting) state: the saved run's global batch."""
+        self.num_steps, self.num_tokens, self.consumed_tokens = 0, 0, 0
+        self.step(0)
 
-    def get_lr(self, step: int) -> float:
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
-        if self.style == "constant":
+    @classmethod
+    def from_run(cls, optimizer, run) -> OptimizerParamScheduler:
+        """The schedule of a validated RunConfig (as upstream's get_optimizer_param_scheduler)."""
+        o, t = run.optimizer, run.training
+        return cls(optimizer, schedule_shape(o, t), run.model.seq_length, override=o.override_opt_param_scheduler,
+                   use_checkpoint=o.use_checkpoint_opt_param_scheduler,
+                   legacy_samples_per_step=t.global_batch_size)
+
+    def get_lr(self) -> float:
+        """The lr at the current position (upstream's formulas, in its order of cases)."""
+        steps, tokens = self.num_steps, self.num_tokens
+        if self.lr_warmup_tokens is None:
+            if self.lr_warmup_steps > 0 and steps <= self.lr_warmup_steps:
+                return self.max_lr * float(steps) / float(self.lr_warmup_steps)
+        elif self.lr_warmup_tokens > 0 and tokens <= self.lr_warmup_tokens:
+            return self.max_lr * float(tokens) / float(self.lr_warmup_tokens)
+        if self.lr_decay_style == "constant":
             return self.max_lr
-        if step > self.decay_steps:
+        if (steps > self.lr_decay_steps) if self.lr_decay_tokens is None else (tokens > self.lr_decay_tokens):
             return self.min_lr
-        ratio = (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
-        if self.style == "linear":
-            coeff = 1.0 - ratio
+        if self.lr_decay_style == "inverse-square-root":
+            if self.lr_warmup_tokens is None:
+                lr = self.max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(steps, 1) ** 0.5
+            else:
+                lr = self.max_lr * max(self.lr_warmup_tokens, 1) ** 0.5 / max(tokens, 1) ** 0.5
+            return max(self.min_lr, lr)
+        if self.lr_decay_tokens is None:
+            ratio = float(steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
         else:
+            ratio = float(tokens - self.lr_warmup_tokens) / float(self.lr_decay_tokens - self.lr_warmup_tokens)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
+    def step(self, increment: int, token_num: int | None = None) -> None:
+        """Move on by ``increment`` samples; ``token_num``: the tokens consumed before this step (default: the
+        trainer's count)."""
+        self.num_tokens = self.consumed_tokens if token_num is None else token_num
+        self.num_steps += increment
+        if (self.lr_warmup_tokens is None and self.lr_decay_tokens is not None and self.lr_warmup_steps > 0
+                and self.num_steps == self.lr_warmup_steps):
+            self.lr_warmup_tokens = self.num_tokens  # token-based decay starts where the step warmup ends
+        self._apply(self.get_lr())
+
     def _apply(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
 
     @property
     def current_lr(self) -> float:
@@ -52,19 +228,37 @@ class OptimizerParamScheduler:
 
     def apply_schedule(self) -> None:
         """Write the schedule's lr for the next update into the optimizer, over whatever a restored
-        optimizer state put there (the lr of the schedule it was saved under)."""
-        self._apply(self.get_lr(self.num_steps + 1))
+        optimizer state put there."""
+        self._apply(self.get_lr())
 
-    def step(self, increment: int = 1) -> None:
-        self.num_steps += increment
-        self._apply(self.get_lr(self.num_steps + 1))
+    def shape(self) -> ScheduleShape:
+        return ScheduleShape(self.max_lr, self.min_lr, self.lr_warmup_steps, self.lr_decay_steps,
+                             self.lr_decay_style, self.lr_warmup_tokens, self.lr_decay_tokens)
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
-                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps, "style": self.style}
+        """Upstream's keys (its weight-decay keys aside), so either side reads the other's."""
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
+                "lr_warmup_tokens": self.lr_warmup_tokens, "lr_decay_steps": self.lr_decay_steps,
+                "lr_decay_tokens": self.lr_decay_tokens, "lr_decay_style": self.lr_decay_style,
+                "num_steps": self.num_steps, "num_tokens": self.num_tokens}
 
-    def load_state_dict(self, state: dict) -> None:
-        # Only the position is restored: the schedule's shape comes from the current flags, so a user
-        # may lengthen --train-iters / --lr-decay-iters on resume (a safe change).
-        self.num_steps = int(state["num_steps"])
-        self._apply(self.get_lr(self.num_steps + 1))
+    def load_state_dict(self, sd: dict) -> None:
+        if is_legacy_state(sd):
+            # Counted iterations, and its shape always came from the flags: only the position carries over.
+            self.num_steps = 0
+            steps = int(sd["num_steps"]) * self.legacy_samples_per_step
+            tokens = max(0, steps - self.legacy_samples_per_step) * self.seq_length
+            self.step(steps, token_num=tokens)
+            return
+        mismatches = shape_mismatches(self.shape(), sd)
+        if not self.override:
+            if mismatches and not self.use_checkpoint:
+                raise CheckpointError(mismatch_message("(checkpoint)", mismatches))
+            for key, _, _ in _SHAPE_KEYS:  # upstream: the checkpoint's values (equal to the flags' unless told)
+                setattr(self, key, saved_shape_value(sd, key))
+        elif self.lr_warmup_tokens is None and self.lr_decay_tokens is not None:
+            self.lr_warmup_tokens = saved_shape_value(sd, "lr_warmup_tokens")  # recorded, not a flag's value
+        self.max_lr = float(self.max_lr)
+        self.num_steps = 0
+        num_steps = sd["num_iters"] if "num_iters" in sd else sd["num_steps"]
+        self.step(num_steps, token_num=sd.get("num_tokens", self.num_tokens))

@@ -45,7 +45,7 @@ def pipe_train_step(engine, data_iterator: Iterator[tuple]) -> StepResult:
     opt = engine.optimizer
     skipped = bool(getattr(opt, "overflow", False))
     scale = getattr(opt, "cur_scale", None) if engine.fp16_enabled() else None
-    return StepResult(loss, norm, skipped, lr, scale)
+    return StepResult(loss, norm, skipped, lr, scale, engine.get_lr()[0])
 
 
 def pipe_evaluate_batch(engine, data_iterator: Iterator[tuple]) -> float:

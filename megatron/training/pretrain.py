@@ -33,8 +33,9 @@ from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
+from megatron.training.schedule_config import micro_batch_plan
 from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
-from megatron.training.step import train_step
+from megatron.training.step import set_num_microbatches, train_step
 from megatron.training.tensorboard import open_writer, write_optimizer_stats
 from megatron.training.timers import Timers
 from megatron.training.watchdog import start_watchdog
@@ -125,14 +126,19 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     gbs = t.global_batch_size
     for note in opts.notes:
         print_rank0(f"> {note}", rank)
-    # Upstream's sample counts: train, every evaluation's valid batches, and one evaluation's test batches.
-    num_samples = train_valid_test_num_samples(t.train_iters, getattr(args, "train_samples", None), gbs,
+    plan = micro_batch_plan(run)  # the global batch of each step (--rampup-batch-size), from the consumed samples
+    # Upstream's sample counts: train (--train-samples, else iterations x global batch, and never fewer than the
+    # iterations consume: upstream's ramp arithmetic can overshoot a tiny --train-samples), every evaluation's valid
+    # batches, and one evaluation's test batches.
+    num_samples = train_valid_test_num_samples(t.train_iters, max(plan.samples_after(t.train_iters),
+                                                                  t.train_samples or 0), gbs,
                                                t.eval_interval, t.eval_iters)
     train_ds, valid_ds, test_ds = (*providers.datasets(args, run, num_samples), None)[:3]
     mbs, dp = t.micro_batch_size, pstate.dp
     loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
     train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading)
-    gas = t.grad_accumulation_steps(dp.size)
+    seq = run.model.seq_length
+    scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
         train_data = pipe_microbatches(train_data)
@@ -150,14 +156,29 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
-    losses, lrs, it, decision = {}, {}, resume.iteration, None
+    losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     resume.restore_rng()
     if opts.skip_train:
         print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
+    if t.rampup_batch_size is not None:
+        start, incr, ramp = t.rampup_batch_size
+        print_rank0(f"> global batch size ramps from {start} to {gbs} by {incr} over {ramp} samples "
+                    f"({t.train_iters} iterations in all)", rank)
     for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
-        res = pipe_train_step(engine, train_data) if pipelined else train_step(engine, train_data, gas,
-                                                                                 providers.forward_step, timers)
-        consumed += gbs
+        if t.train_tokens is not None and consumed * seq >= t.train_tokens:
+            it -= 1  # upstream's loop condition: stop once --train-tokens are consumed
+            print_rank0(f"> --train-tokens {t.train_tokens} consumed after iteration {it}", rank)
+            break
+        if scheduler is not None:
+            scheduler.consumed_tokens = consumed * seq  # upstream's args.consumed_train_tokens, before the step
+        step_gbs = plan.global_batch(consumed)
+        n_micro = step_gbs // (mbs * dp.size)
+        if pipelined:
+            set_num_microbatches(engine, n_micro)  # the pipeline engine's schedule follows its accumulation steps
+            res = pipe_train_step(engine, train_data)
+        else:
+            res = train_step(engine, train_data, n_micro, providers.forward_step, timers)
+        consumed += step_gbs
         # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
@@ -167,7 +188,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         if opts.params_norm and (log_now or tb_now):
             logger.params_norm = params_norm(engine.module, pstate)
         if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
-            logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed, gbs)
+            logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed,
+                               step_gbs)
             if opts.optimizer_states_to_tb:
                 stats = optimizer_stats(engine.optimizer, pstate, engine.zero_optimization_stage())
                 if writer is not None:
@@ -180,13 +202,15 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
-        logger.iteration(it, loss, res, consumed)
+        logger.iteration(it, loss, res, consumed, step_gbs)
         if log_now:
             report = timers.report(normalizer=t.log_interval)
             if report:
                 print_rank0(report, rank)
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
-        evaluation.periodic(it, consumed)
+        printed_lrs[it] = res.next_lr  # the lr the log prints (upstream's: the next update's)
+        batch_sizes[it] = step_gbs
+        evaluation.periodic(it, consumed, n_micro)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
             save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
@@ -198,9 +222,11 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
     final = {}
     if not (decision and decision.exit):  # upstream exits (sys.exit) on these before its final evaluation
-        final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train)
+        final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train,
+                                  num_microbatches=plan.global_batch(consumed) // (mbs * dp.size))
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
+            "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final}

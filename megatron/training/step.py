@@ -38,7 +38,10 @@ class StepResult:
     norm_value: torch.Tensor | float | None
     skipped: bool
     lr: float
+    """The lr this step's update applied."""
     loss_scale: float | None
+    next_lr: float | None = None
+    """The optimizer's lr after the step (the next update's): what upstream's log prints as "learning rate"."""
     _host: list | None = field(default=None, repr=False)
 
     def pending(self) -> list[torch.Tensor]:
@@ -81,30 +84,51 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
                forward_step: Callable = gpt_forward_step, timers=None) -> StepResult:
     """Run ``num_microbatches`` forward/backward passes then one optimizer step. DeepSpeed scales
     each loss by 1/num_microbatches and averages gradients over DP, so the update is that of the
-    mean loss over the global batch. ``timers``: megatron.training.timers.Timers (--timing-log-level)."""
+    mean loss over the global batch.
+
+    The count may change from step to step (--rampup-batch-size): the engine is told the step's global batch
+    (``set_train_batch_size``, as upstream does each iteration) and the last micro-batch is marked as the
+    accumulation boundary, since DeepSpeed's own boundary counts micro-steps modulo the *current* count. The LR
+    schedule moves on by the step's global batch in samples (``lr_kwargs``, as upstream's train_step).
+    ``timers``: megatron.training.timers.Timers (--timing-log-level)."""
     timers = timers or _NO_TIMERS
+    set_num_microbatches(engine, num_microbatches)
+    increment = engine.train_batch_size()
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
+    mark = getattr(engine, "set_gradient_accumulation_boundary", None)
     total, norm = None, None
     timers.start("forward-backward")
     for i in range(num_microbatches):
+        last = i == num_microbatches - 1
+        if mark is not None:
+            mark(last)
         with timers("batch-generator"):
             batch = next(data_iterator)
         loss = forward_step(engine, batch)
         engine.backward(loss)
-        if i == num_microbatches - 1 and _plain_fp32(engine):
+        if last and _plain_fp32(engine):
             # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
             norm = grad_norm(engine.module.parameters(), engine.mpu)
-        if i == num_microbatches - 1:  # the boundary step is the optimizer step, timed apart as upstream's
+        if last:  # the boundary step is the optimizer step, timed apart as upstream's
             timers.stop("forward-backward")
             timers.start("optimizer")
-        engine.step()
+        engine.step(lr_kwargs={"increment": increment})
         # Summed on the device in micro-batch order: no host sync per micro-batch.
         total = loss.detach().float() if total is None else total + loss.detach().float()
     timers.stop("optimizer")
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
-    return StepResult(total / num_microbatches, norm, skipped, lr, scale)
+    return StepResult(total / num_microbatches, norm, skipped, lr, scale, engine.get_lr()[0])
+
+
+def set_num_microbatches(engine, num_microbatches: int) -> None:
+    """Make ``engine`` accumulate ``num_microbatches`` micro-batches per step (a no-op when it already does)."""
+    if engine.gradient_accumulation_steps() == num_microbatches:
+        return
+    if not hasattr(engine, "set_train_batch_size"):
+        raise RuntimeError(f"{type(engine).__name__} runs a fixed number of micro-batches per step")
+    engine.set_train_batch_size(engine.train_batch_size() // engine.gradient_accumulation_steps() * num_microbatches)
 
 
 def grad_norm(params, pstate) -> torch.Tensor:

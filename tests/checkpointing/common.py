@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.launcher import run_distributed
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "2",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "1",
         "--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "32", "--log-interval", "1",
         "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo"]
 LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope",

@@ -35,7 +35,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     proc.wait(30)
     assert any(n.startswith("global_step4.tmp-") for n in os.listdir(save))
     assert open(os.path.join(save, "latest")).read() == "global_step2"
-    out = run_pretrain(1, BASE + ["--train-iters", "3", "--load", save, "--save", save])
+    # The same schedule as the interrupted run (a different one is refused unless told, as upstream)
+    out = run_pretrain(1, BASE + ["--train-iters", "3", "--lr-decay-iters", "6", "--load", save, "--save", save])
     assert "loaded " + os.path.join(save, "global_step2") in out.stdout
     assert open(os.path.join(save, "latest")).read() == "global_step3"
     assert not any(".tmp-" in n for n in os.listdir(save))  # the interrupted save was cleaned up
@@ -81,7 +82,7 @@ def test_bad_checkpoint_files_one_line_error(tmp_path):
     from megatron.errors import CheckpointError
 
     save = str(tmp_path / "ckpt")
-    run_pretrain(1, BASE + ["--train-iters", "1", "--save", save])
+    run_pretrain(1, BASE + ["--train-iters", "2", "--exit-interval", "1", "--save", save])
     model_file = os.path.join(save, "global_step1", "mp_rank_00_model_states.pt")
     data = open(model_file, "rb").read()
     with open(model_file, "wb") as f:  # truncated: the CLI names the file in one line, exit code 2

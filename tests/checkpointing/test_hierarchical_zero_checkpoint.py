@@ -142,7 +142,7 @@ def test_kill_during_hierarchical_save_keeps_latest_loadable(tmp_path):
     proc.wait(30)
     assert any(n.startswith("global_step4.tmp-") for n in os.listdir(save))
     assert open(os.path.join(save, "latest")).read() == "global_step2"
-    out = run_pretrain(1, args + ["--load", save, "--train-iters", "3"])
+    out = run_pretrain(1, args + ["--load", save, "--train-iters", "3", "--lr-decay-iters", "6"])
     assert "loaded " + os.path.join(save, "global_step2") in out.stdout
     assert open(os.path.join(save, "latest")).read() == "global_step3"
     assert not any(".tmp-" in n for n in os.listdir(save))

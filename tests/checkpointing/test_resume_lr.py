@@ -1,14 +1,15 @@
-"""A resume with a longer --train-iters: the first resumed iteration uses the *current* schedule's lr.
+"""A resume with a longer --train-iters and --override-opt_param-scheduler (upstream's way to change the schedule
+on resume): the first resumed iteration uses the *current* schedule's lr.
 
 DeepSpeed restores ZeRO optimizer partitions (their param_groups' lr included) after the LR scheduler, so
-before the fix iteration N+1 ran at the lr the old N-iteration schedule gave step N+1 (min-lr: 0).
-Each engine saves at N of N and resumes with 3N, on the same two spawned ranks (one spawn for all).
+before the fix iteration N+1 ran at the lr the old N-iteration schedule gave that position (min-lr: 0).
+Each engine saves at N of N and resumes with 3N, on the same two spawned ranks (one spawn for all). Without the
+override flag (or --use-checkpoint-opt_param-scheduler) the changed schedule is refused before any process group.
 """
 
 import pytest
 
-from megatron.config import OptimizerConfig
-from megatron.training.lr_schedule import OptimizerParamScheduler
+from megatron.training.lr_schedule import OptimizerParamScheduler, ScheduleShape
 from tests.checkpointing.common import BASE
 from tests.launcher import free_port, run_distributed
 
@@ -36,17 +37,20 @@ def _save_then_resume(root: str, ports: list[int]) -> dict:
     for name, flags in ENGINES.items():
         save = f"{root}/{name}"
         run(BASE + flags + ["--train-iters", str(N), "--save", save])
-        out[name] = run(BASE + flags + ["--train-iters", str(3 * N), "--load", save])
+        out[name] = run(BASE + flags + ["--train-iters", str(3 * N), "--load", save,
+                                        "--override-opt_param-scheduler"])
     return out
 
 
-def _schedule_lr(step: int, train_iters: int) -> float:
-    """The lr BASE's schedule (--lr 2e-3, 2 warmup iterations, linear decay to 0) gives ``step``."""
+def _schedule_lr(iteration: int, train_iters: int) -> float:
+    """The lr BASE's schedule (--lr 2e-3, 1 warmup iteration, linear decay to 0, global batch 4) applies at
+    ``iteration``: upstream's position before that update, (iteration - 1) x 4 samples."""
     import torch
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return OptimizerParamScheduler(opt, OptimizerConfig(lr=2e-3, min_lr=0.0, lr_decay_style="linear",
-                                                        lr_warmup_iters=2), train_iters).get_lr(step)
+    sched = OptimizerParamScheduler(opt, ScheduleShape(2e-3, 0.0, 1 * 4, train_iters * 4, "linear"))
+    sched.step((iteration - 1) * 4)
+    return sched.current_lr
 
 
 @pytest.mark.timeout(400)
@@ -61,3 +65,19 @@ def test_first_resumed_iteration_uses_the_new_schedule(tmp_path):
     for name in ENGINES:
         assert list(lrs[name]) == list(range(N + 1, 3 * N + 1)), (name, lrs[name])
         assert lrs[name] == pytest.approx({i: lrs["straight"][i] for i in lrs[name]}, rel=1e-9), (name, lrs[name])
+    # Without the flag the changed schedule is one line before any process group (upstream: an assertion).
+    from megatron.arguments import parse_args, run_config_from_args
+    from megatron.checkpointing import CheckpointSettings
+    from megatron.errors import CheckpointError
+    from megatron.preflight.checkpoints import check_load
+
+    save = str(tmp_path / "zero1-dp2")
+    for extra, refused in (([], True), (["--use-checkpoint-opt_param-scheduler"], False),
+                           (["--override-opt_param-scheduler"], False)):
+        args = parse_args(BASE + ENGINES["zero1-dp2"] + ["--train-iters", str(3 * N), "--load", save] + extra)
+        run = run_config_from_args(args, 2, 200)
+        if refused:
+            with pytest.raises(CheckpointError, match="decay length \\(samples\\) 8 in the checkpoint, 24 "):
+                check_load(CheckpointSettings.from_args(args), run)
+        else:
+            check_load(CheckpointSettings.from_args(args), run)

@@ -167,11 +167,17 @@ class _PlainEngine:
     def backward(self, loss):
         (loss / 2).backward()
 
-    def step(self):
+    def step(self, lr_kwargs=None):
         self.optimizer.step()
 
     def get_lr(self):
         return [0.1]
+
+    def gradient_accumulation_steps(self):  # the tests drive 2 micro-batches per step
+        return 2
+
+    def train_batch_size(self):
+        return 2
 
     def get_global_grad_norm(self):
         return None

@@ -10,37 +10,59 @@ from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
 from megatron.model.sizes import named_model
 from megatron.perf.flops import iteration_flops
-from megatron.training.lr_schedule import OptimizerParamScheduler
+from megatron.training.lr_schedule import OptimizerParamScheduler, ScheduleShape
 
 
-def _sched(style, warmup=10, decay=100):
+def _sched(style, warmup=10, decay=100, **kw):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    return OptimizerParamScheduler(opt, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style=style,
-                                                        lr_warmup_iters=warmup), decay)
+    return OptimizerParamScheduler(opt, ScheduleShape(1.0, 0.1, warmup, decay, style), **kw)
 
 
 @pytest.mark.parametrize("style", ["linear", "cosine"])
 def test_warmup_then_decay_to_min(style):
     s = _sched(style)
-    assert s.current_lr == pytest.approx(0.1)  # step 1 of a 10-step warmup
+    assert s.current_lr == 0.0  # upstream: the first update of a warmup uses position 0
     lrs = []
     for _ in range(120):
         lrs.append(s.current_lr)
-        s.step()
-    assert lrs[9] == pytest.approx(1.0)  # end of warmup
+        s.step(1)
+    assert lrs[1] == pytest.approx(0.1) and lrs[10] == pytest.approx(1.0)  # end of warmup
     mid = 0.1 + 0.9 * (0.5 if style == "linear" else 0.5 * (math.cos(math.pi * 0.5) + 1))
-    assert lrs[54] == pytest.approx(mid)  # halfway through decay (step 55)
-    assert lrs[99] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
-    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:-1], lrs[10:], strict=True))  # monotone after warmup
+    assert lrs[55] == pytest.approx(mid)  # halfway through decay
+    assert lrs[100] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[10:-1], lrs[11:], strict=True))  # monotone after warmup
 
 
-def test_resume_restores_position_not_shape():
+def test_resume_shape_rules_as_upstream():
+    """A changed schedule on resume: refused by default, the flags' with override, the checkpoint's with
+    use-checkpoint; the position is restored in every case."""
+    from megatron.errors import CheckpointError
+
     a = _sched("cosine")
     for _ in range(30):
-        a.step()
-    b = _sched("cosine", decay=200)  # a longer schedule on resume is a safe change
+        a.step(1)
+    with pytest.raises(CheckpointError, match="override-opt_param-scheduler"):
+        _sched("cosine", decay=200).load_state_dict(a.state_dict())
+    b = _sched("cosine", decay=200, override=True)
     b.load_state_dict(a.state_dict())
-    assert b.num_steps == 30 and b.current_lr == pytest.approx(b.get_lr(31))
+    c = _sched("cosine", decay=200)
+    for _ in range(30):
+        c.step(1)
+    assert b.num_steps == 30 and b.lr_decay_steps == 200 and b.current_lr == c.current_lr
+    d = _sched("cosine", decay=200, use_checkpoint=True)
+    d.load_state_dict(a.state_dict())
+    assert d.lr_decay_steps == 100 and d.current_lr == a.current_lr
+
+
+def test_legacy_iteration_state_is_read():
+    """Checkpoints before the samples-based schedule saved {num_steps (iterations), ..., style}."""
+    a = _sched("linear", warmup=40, decay=400)
+    for _ in range(12):
+        a.step(4)
+    b = _sched("linear", warmup=40, decay=400, legacy_samples_per_step=4)
+    b.load_state_dict({"num_steps": 12, "max_lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "decay_steps": 100,
+                       "style": "linear"})
+    assert b.num_steps == 48 and b.current_lr == a.current_lr
 
 
 def _run(**train):
@@ -96,3 +118,21 @@ def test_flops_formula_matches_megatron_closed_form():
     f = iteration_flops(cfg, b, V, "full")
     assert f.model == pytest.approx(72 * b * s * L * h * h * (1 + s / (6 * h)) + 6 * b * s * h * V)
     assert f.recompute == pytest.approx(24 * b * s * L * h * h * (1 + s / (6 * h)))
+
+
+def test_rampup_with_zero_offload_is_refused(tmp_path):
+    """ZeRO-Offload sizes its host accumulation for the JSON's accumulation steps: a ramp is one line, before
+    any process group (and the same JSON without the ramp is accepted)."""
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+
+    def run(**ramp):
+        return RunConfig(model=named_model("debug"), parallel=ParallelConfig(world_size=2, zero_stage=2),
+                         training=TrainingConfig(micro_batch_size=1, global_batch_size=8, train_iters=None,
+                                                 train_samples=64, **ramp)).validate()
+
+    with pytest.raises(ConfigError, match="rampup-batch-size .*offload_optimizer"):
+        build_ds_config(run(rampup_batch_size=(4, 2, 16)), str(path))
+    assert build_ds_config(run(), str(path))["train_batch_size"] == 8

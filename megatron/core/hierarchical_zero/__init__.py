@@ -58,5 +58,7 @@ def create_engine(model: torch.nn.Module, run, pstate, hcfg: HierarchyConfig, op
     # DeepSpeed moves a model to the accelerator itself; this engine is ours, so do it here (the norm weights
     # are built on the host), before its buffers are allocated where the parameters live.
     model.to(get_accelerator().current_device_name())
-    return HierarchicalZeroEngine(model, hcfg, hierarchy, pstate, optimizer_factory, scheduler_factory,
-                                  run.training.grad_accumulation_steps(p.dp), run.optimizer.clip_grad, dtype)
+    engine = HierarchicalZeroEngine(model, hcfg, hierarchy, pstate, optimizer_factory, scheduler_factory,
+                                    run.training.grad_accumulation_steps(p.dp), run.optimizer.clip_grad, dtype)
+    engine.micro_batch_size = run.training.micro_batch_size
+    return engine

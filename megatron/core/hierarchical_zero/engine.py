@@ -102,6 +102,7 @@ class HierarchicalZeroEngine:
         self.module, self.mpu, self.cfg, self.h = model, pstate, hcfg, hierarchy
         self.gas, self.clip_grad, self.dtype = grad_accumulation_steps, clip_grad, dtype
         self.skipped_steps, self.micro_steps, self.global_steps = 0, 0, 0
+        self.micro_batch_size = 1  # create_engine sets --micro-batch-size: train_batch_size() is the LR increment
         self._norm: torch.Tensor | None = None
         # Every buffer lives where the model does (the accelerator on a GPU run): NCCL/RCCL collectives need
         # device tensors, and the gathered weights feed the module directly.
@@ -237,7 +238,14 @@ class HierarchicalZeroEngine:
                 self._reduce(b)
                 self._release(b)
 
-    def step(self) -> None:
+    def train_batch_size(self) -> int:
+        return self.gas * self.micro_batch_size * self.h.dp_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """``lr_kwargs``: as DeepSpeed's, passed to the LR schedule (default: this step's global batch)."""
         self.micro_steps += 1
         if self.micro_steps % self.gas:
             return
@@ -262,7 +270,7 @@ class HierarchicalZeroEngine:
         self.master.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        self.lr_scheduler.step(**(lr_kwargs or {"increment": self.train_batch_size()}))
         self._refresh_secondary()
         self.global_steps += 1
 

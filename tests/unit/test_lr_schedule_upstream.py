@@ -1,0 +1,176 @@
+"""The LR schedule and batch-size ramp against upstream Megatron-DeepSpeed's own values (tests/fixtures/lr_schedule:
+computed by its OptimizerParamScheduler and micro-batch calculator at 4efb479d, see the README there).
+
+Every case's flags go through our parser and RunConfig validation; the loop below does per iteration what
+megatron/training/pretrain.py's does for the schedule (consumed tokens before the step, the step's global batch
+from the consumed samples, DeepSpeed's ``step(increment=...)``).
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.arguments import parse_args, run_config_from_args
+from megatron.errors import CheckpointError, ConfigError
+from megatron.training.lr_schedule import OptimizerParamScheduler
+from megatron.training.microbatches import MicroBatchPlan
+from megatron.training.schedule_config import micro_batch_plan
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lr_schedule", "upstream_lr.json")
+with open(FIXTURE) as f:
+    UPSTREAM = json.load(f)
+CASES = UPSTREAM["cases"]
+OURS = ["--mock-data", "--vocab-size", "200"]
+
+
+def _run(case: dict, extra=()):
+    args = parse_args(UPSTREAM["model_flags"] + case["flags"] + OURS + list(extra))
+    return run_config_from_args(args, case["data_parallel_size"], 200)
+
+
+def _scheduler(run):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    return OptimizerParamScheduler.from_run(opt, run)
+
+
+def _train(run, sched, start_iter: int = 0, consumed: int = 0) -> dict:
+    """Per iteration after ``start_iter``: the lr applied, the lr printed, the global batch."""
+    t, seq, plan = run.training, run.model.seq_length, micro_batch_plan(run)
+    out = {"applied": [], "printed": [], "global_batch": []}
+    for _ in range(start_iter, t.train_iters):
+        if t.train_tokens is not None and consumed * seq >= t.train_tokens:
+            break
+        sched.consumed_tokens = consumed * seq
+        gbs = plan.global_batch(consumed)
+        out["applied"].append(sched.current_lr)
+        sched.step(increment=gbs)  # what DeepSpeed's engine.step(lr_kwargs=...) does at the boundary
+        consumed += gbs
+        out["printed"].append(sched.current_lr)
+        out["global_batch"].append(gbs)
+    return out
+
+
+def test_fixture_covers_every_style_and_form():
+    flags = " ".join(" ".join(c["flags"]) for c in CASES.values())
+    for needed in ("cosine", "linear", "inverse-square-root", "constant", "--lr-warmup-fraction", "--train-samples",
+                   "--lr-warmup-samples", "--lr-decay-samples", "--lr-warmup-tokens", "--lr-decay-tokens",
+                   "--train-tokens", "--rampup-batch-size", "--min-lr"):
+        assert needed in flags, needed
+    assert UPSTREAM["upstream_commit"] == "4efb479d5317ce9b86096b9d8e3e8030b0b5263b"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_straight_run_matches_upstream(name):
+    case = CASES[name]
+    run = _run(case)
+    assert run.training.train_iters == case["train_iters"]  # upstream's update_train_iters for --train-samples
+    got = _train(run, _scheduler(run))
+    assert len(got["applied"]) == case["iterations"]
+    assert got["global_batch"] == case["global_batch"]
+    assert got["applied"] == case["applied"]  # exact: the same formulas in the same order
+    assert got["printed"] == case["printed"]
+    assert got["applied"][0] == 0.0 or "--lr-warmup" not in " ".join(case["flags"])  # upstream's first update
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("source", ["ours", "upstream"])
+def test_resumed_run_matches_upstream(name, source):
+    """Stop after k iterations, restore a fresh scheduler from the state (ours through JSON, as our checkpoint
+    metadata holds it, or upstream's own state_dict), continue: the rest equals upstream's straight run."""
+    case = CASES[name]
+    k = case["iterations"] // 2
+    run = _run(case)
+    consumed = case["states"][k - 1]["consumed_samples"]
+    if source == "ours":
+        first = _scheduler(run)
+        _train(dataclasses.replace(run, training=dataclasses.replace(run.training, train_iters=k)), first)
+        state = json.loads(json.dumps(first.state_dict()))  # as megatron_meta.json holds it
+    else:
+        state = case["states"][k - 1]["scheduler"]
+    resumed = _scheduler(run)
+    resumed.load_state_dict(state)
+    assert resumed.current_lr == case["printed"][k - 1]
+    got = _train(run, resumed, start_iter=k, consumed=consumed)
+    assert got["applied"] == case["applied"][k:]
+    assert got["printed"] == case["printed"][k:]
+
+
+@pytest.mark.parametrize("table", UPSTREAM["ramps"], ids=lambda r: "-".join(map(str, r["rampup"])))
+def test_micro_batch_plan_matches_upstream_calculator(table):
+    plan = MicroBatchPlan(table["global_batch_size"], table["micro_batch_size"], table["data_parallel_size"],
+                          tuple(table["rampup"]))
+    n = len(table["current_global_batch"])
+    assert [plan.global_batch(c) for c in range(n)] == table["current_global_batch"]
+    assert [plan.num_microbatches(c) for c in range(n)] == table["num_microbatches"]
+    assert {s: plan.train_iters(int(s)) for s in table["train_iters"]} == table["train_iters"]
+    steps = list(itertools.islice(plan.positions(), 40))
+    assert [plan.samples_after(i + 1) for i in range(40)] == steps
+    assert plan.samples_after(3, steps[4]) == steps[7]
+
+
+def test_samples_schedule_equals_iterations_schedule_where_they_coincide():
+    """--train-samples N*GBS with --lr-{warmup,decay}-samples W*GBS, D*GBS is the iteration schedule N, W, D."""
+    base = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine"]
+    iters = _run({"flags": base + ["--train-iters", "12", "--lr-warmup-iters", "3", "--lr-decay-iters", "10"],
+                  "data_parallel_size": 2})
+    samples = _run({"flags": base + ["--train-samples", "48", "--lr-warmup-samples", "12", "--lr-decay-samples",
+                                     "40"], "data_parallel_size": 2})
+    assert samples.training.train_iters == iters.training.train_iters == 12
+    a, b = _train(iters, _scheduler(iters)), _train(samples, _scheduler(samples))
+    assert a == b
+    assert len(set(a["applied"])) > 6  # warmup and decay both happen: the equality is not trivial
+    # and they are upstream's own values for these flags
+    assert a["applied"] == CASES["iters-cosine"]["applied"][:12]
+
+
+REFUSED = {  # upstream asserts (or fails later) on each of these; here one line before any process group
+    "warmup >= decay": ["--train-iters", "10", "--lr-warmup-iters", "10"],
+    "both lengths": ["--train-iters", "10", "--train-samples", "40"],
+    "samples flag, iteration run": ["--train-iters", "10", "--lr-decay-samples", "20"],
+    "iters flag, sample run": ["--train-samples", "40", "--lr-warmup-iters", "2"],
+    "fraction and iters": ["--train-iters", "10", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+    "fraction and samples": ["--train-samples", "40", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "2"],
+    "ramp, iteration run": ["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"],
+    "ramp not a multiple": ["--train-samples", "40", "--rampup-batch-size", "2", "3", "8"],
+    "ramp start = gbs": ["--train-samples", "40", "--rampup-batch-size", "4", "2", "8"],
+    "ramp, hierarchical ZeRO": ["--train-samples", "40", "--rampup-batch-size", "2", "2", "8", "--zero-stage", "3",
+                                "--zero-hierarchy", "package,node,network"],
+    "token decay, no warmup start": ["--train-iters", "10", "--lr-decay-tokens", "100", "--lr-decay-style", "linear"],
+    "token decay, warmup off the grid": ["--train-iters", "10", "--lr-decay-tokens", "500", "--lr-warmup-fraction",
+                                         "0.15"],
+    "min-lr above lr": ["--train-iters", "10", "--min-lr", "1"],
+    "override and use-checkpoint": ["--train-iters", "10", "--override-opt_param-scheduler",
+                                    "--use-checkpoint-opt_param-scheduler"],
+    "decay length 0": ["--train-iters", "10", "--lr-decay-iters", "0"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_in_one_line(name):
+    flags = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3"] + REFUSED[name]
+    with pytest.raises(ConfigError) as e:
+        _run({"flags": flags, "data_parallel_size": 1})
+    assert "\n" not in str(e.value)
+
+
+def test_upstream_state_with_other_flags_is_refused_unless_told():
+    """Upstream asserts when the flags' schedule differs from the checkpoint's; either flag resolves it."""
+    case = CASES["iters-cosine"]
+    state = case["states"][5]["scheduler"]
+    flags = list(case["flags"])
+    i = flags.index("--lr-decay-iters")
+    flags[i + 1] = "20"
+    changed = {"flags": flags, "data_parallel_size": case["data_parallel_size"]}
+    with pytest.raises(CheckpointError, match="decay length \\(samples\\) 40 in the checkpoint, 80 "):
+        _scheduler(_run(changed)).load_state_dict(state)
+    own = _scheduler(_run(changed, ["--use-checkpoint-opt_param-scheduler"]))
+    own.load_state_dict(state)
+    assert own.current_lr == case["printed"][5] and own.lr_decay_steps == 40
+    new = _scheduler(_run(changed, ["--override-opt_param-scheduler"]))
+    new.load_state_dict(state)
+    assert new.lr_decay_steps == 80 and new.num_steps == 24
