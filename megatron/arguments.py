@@ -84,7 +84,8 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synchronize-each-layer", action="store_true",
                    help="accelerator synchronize around each checkpoint's forward and backward")
     g.add_argument("--profile-backward", action="store_true", help="print each checkpoint's forward/backward time")
-    g.add_argument("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", dest="use_flash_attn_v2", action="store_true",
+    g.add_argument("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", dest="use_flash_attn_v2",
+                   action="store_true",
                    help="the HIP flash-attention kernel (csrc/), when built")
     g.add_argument("--use-flash-attn-triton", action="store_true")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",

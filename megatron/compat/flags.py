@@ -318,8 +318,8 @@ DEFAULT_DIFFERENCES: dict[str, str] = {
     "--num-workers": "0 loads in the training process; the worker count changes no sample or order",
     "--clip-grad": "unset means the JSON's gradient_clipping when it has one, else 1.0 as upstream",
     "--checkpoint-num-layers": "unset means 1, as upstream",
-    "--initial-loss-scale": "unset means the JSON's fp16 value, else DeepSpeed's default, as upstream under --deepspeed "
-                            "(upstream's flag default only reaches its non-DeepSpeed scaler)",
+    "--initial-loss-scale": "unset means the JSON's fp16 value, else DeepSpeed's default, as upstream under "
+                            "--deepspeed (upstream's flag default only reaches its non-DeepSpeed scaler)",
     "--min-loss-scale": "unset means the JSON's fp16 value, else DeepSpeed's default, as upstream under --deepspeed",
     "--loss-scale-window": "unset means the JSON's fp16 value, else DeepSpeed's default, as upstream under --deepspeed",
     "--hysteresis": "unset means the JSON's fp16 value, else DeepSpeed's default, as upstream under --deepspeed",

@@ -174,7 +174,7 @@ def test_two_slurm_tasks_with_the_submit_host_as_master_meet_on_the_first_node()
         procs.append(subprocess.Popen([sys.executable, "-c", _JOIN], cwd=REPO, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0 and "sum 3" in out, err[-2000:]
     rank0_out = outs[1][0]
     notes = [line for line in rank0_out.splitlines() if SUBMIT in line]
