@@ -84,6 +84,12 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
                           f"{p.zero_stage}: make them agree or drop one")
     zero["stage"] = p.zero_stage
     _zero_hierarchy(cfg, run, source)
+    if p.sp > 1 and p.zero_stage == 3:
+        if zero.get("reduce_scatter") is False:
+            # Its all-reduce path divides by DP and its reduce-scatter path by SP x DP, chosen per bucket size.
+            raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --ds-sequence-parallel-size "
+                              f"{p.sp}: DeepSpeed's ZeRO-3 then scales SP gradients inconsistently; drop the key")
+        zero["reduce_scatter"] = True
     if p.pp > 1 and p.zero_stage >= 2:
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
@@ -133,6 +139,9 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
             _agree(section, "zero_hierarchy_weights", p.zero_hierarchy_weights, "--zero-hierarchy-weights", source)
         section["zero_hierarchy_int8"] = bool(section.get("zero_hierarchy_int8")) or p.zero_hierarchy_int8
     hcfg = hierarchical_zero.from_ds_config(cfg)
+    if hcfg is not None and p.sp > 1:
+        raise ConfigError(f"hierarchical ZeRO ({source} / --zero-hierarchy) with --ds-sequence-parallel-size {p.sp}: "
+                          "its engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
     if hcfg is not None:
         hierarchical_zero.check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
     section = cfg.get(hierarchical_zero.SECTION) or {}
@@ -192,6 +201,14 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     offload = (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
     optimizer = make_adamw(param_groups(model, o.weight_decay), o, device_type="cpu" if offload == "cpu" else None)
     scheduler = OptimizerParamScheduler(optimizer, o, run.training.train_iters)
+    if run.parallel.zero_stage == 3 and pstate.sp.size > 1:
+        # DeepSpeed converts a plain module to ZeRO-3 over mpu.get_data_parallel_group() (pure DP), which would
+        # leave SP peers unreduced; Ulysses shards and reduce-scatters over SP x DP, like ZeRO-1/2 do. That
+        # reduce-scatter averages over SP x DP where the other stages divide by DP alone: the loss's backward
+        # (megatron/core/ulysses.py sequence_mean) makes up the factor SP.
+        deepspeed.zero.Init(module=model, data_parallel_group=pstate.sdp.group, config_dict_or_path=ds_config,
+                            mpu=pstate)
+        model.sequence_grad_scale = float(pstate.sp.size)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)

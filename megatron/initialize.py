@@ -62,10 +62,10 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None,
-                        timeout_minutes: float = 10.0) -> ParallelState:
+                        timeout_minutes: float = 10.0, sp: int = 1) -> ParallelState:
     """Process group + parallel groups + seeds; registers and returns the ParallelState."""
     initialize_distributed(backend, timeout_minutes)
-    state = ParallelState.build(tp, pp)
+    state = ParallelState.build(tp, pp, sp_size=sp)
     parallel_state.set_parallel_state(state)
     set_seeds(seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank)
     return state

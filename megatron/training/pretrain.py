@@ -22,6 +22,7 @@ from megatron.checkpointing.support import check_supported as check_checkpoint_s
 from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
+from megatron.core.ulysses import sequence_slices
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
@@ -95,7 +96,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
-                                 args.distributed_timeout_minutes)
+                                 args.distributed_timeout_minutes, sp=run.parallel.sp)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
@@ -138,7 +139,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
     train_ds, valid_ds = providers.datasets(args, run, (t.train_iters * gbs, eval_runs * t.eval_iters * gbs))
     mbs, dp = t.micro_batch_size, pstate.dp
-    train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size)
+    # SP peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence.
+    train_data = sequence_slices(microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size), pstate.sp)
     gas = t.grad_accumulation_steps(dp.size)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
@@ -173,7 +175,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         logger.iteration(it, loss, res, consumed)
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
         if valid_ds is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
-            valid = microbatches(valid_ds, 0, mbs, dp.rank, dp.size)
+            valid = sequence_slices(microbatches(valid_ds, 0, mbs, dp.rank, dp.size), pstate.sp)
             if pipelined:
                 valid = pipe_microbatches(valid)
                 loss = sum(pipe_evaluate_batch(engine, valid) for _ in range(t.eval_iters)) / t.eval_iters
