@@ -69,3 +69,38 @@ def test_dp_excludes_sp_and_the_flag_reaches_the_config():
     run = run_config_from_args(args, world_size=8, vocab_size=256)
     assert (run.parallel.sp, run.parallel.dp) == (2, 4)
     assert run.training.grad_accumulation_steps(run.parallel.dp) == 1
+
+
+def test_hierarchical_zero_with_sp_is_refused_in_one_line():
+    from megatron.config import ParallelConfig, RunConfig, TrainingConfig
+    from megatron.engine import build_ds_config
+    from megatron.model.sizes import named_model
+
+    run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
+        world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
+        training=TrainingConfig()).validate()
+    with pytest.raises(ConfigError, match="hierarchical ZeRO") as e:
+        build_ds_config(run)
+    assert "\n" not in str(e.value)
+
+
+def test_memory_model_and_planner_have_the_sp_dimension():
+    from megatron.model.sizes import named_model
+    from megatron.perf.layout import Layout
+    from megatron.perf.memory import estimate_memory
+    from megatron.perf.planner import SearchSpace, enumerate_layouts
+
+    model = named_model("llama-7b", seq_length=32768)
+
+    def acts(u):
+        layout = Layout(tp=1, pp=1, dp=8 // u, micro_batch_size=1, global_batch_size=8 // u, zero_stage=3,
+                        ds_sequence_parallel_size=u)
+        t = estimate_memory(model, layout).terms
+        return t["activations"] + t["embedding_activations"] + t["logits"]
+
+    assert acts(2) == pytest.approx(acts(1) / 2) and acts(8) == pytest.approx(acts(1) / 8)
+    layouts = enumerate_layouts(model, 16, 16, SearchSpace(ds_sequence_parallel_size=(1, 2, 4, 8, 16)))
+    sizes = {(lay.tp, lay.ulysses) for lay in layouts}
+    assert (1, 16) in sizes and (2, 8) in sizes and (4, 8) not in sizes  # TP 4 x SP 8 would need 32 GCDs
+    assert all(lay.pp == 1 for lay in layouts if lay.ulysses > 1)
+    assert all(lay.world_size == 16 for lay in layouts)
