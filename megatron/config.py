@@ -312,9 +312,6 @@ class RunConfig:
         if p.sp == 1:
             return
         flag = f"--ds-sequence-parallel-size {p.sp}"
-        if p.pp > 1:
-            raise ConfigError(f"{flag} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline engine "
-                              "reduces gradients over its own grid's data axis, which has no sequence axis; use PP=1")
         for name, heads in (("--num-attention-heads", m.num_attention_heads),
                             ("--num-key-value-heads", m.num_key_value_heads)):
             if (heads // p.tp) % p.sp:

@@ -218,6 +218,10 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         # parallel rank" spans PP x TP), so clip ourselves, after the DP and tied-weight reductions.
         ds_config = dict(ds_config, gradient_clipping=0.0)
         optimizer.register_step_pre_hook(_pipeline_clip_hook(model, pstate, o.clip_grad))
+    if pipeline and pstate.sp.size > 1:
+        # Its grid's data axis is SP x DP, and it checks train_batch_size against micro-batch x accumulation x
+        # that axis: every SP rank counts as a replica there (each holds 1/SP of the same samples).
+        ds_config = dict(ds_config, train_batch_size=ds_config["train_batch_size"] * pstate.sp.size)
     # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            mpu=None if pipeline else pstate, config=ds_config)

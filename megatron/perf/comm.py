@@ -26,17 +26,17 @@ Which collectives run follows Megatron-LM with the DeepSpeed engine:
   does one fp32 all-reduce (MAX) of ``b x s`` and one fp32 all-reduce of ``2 x b x s``.
   Scalar bookkeeping (grad norm, loss averaging) is not modelled.
 * PP: per micro-batch one activation send forward (all but the last stage) and one gradient send backward
-  (all but the first), ``s x b x h`` (/t with SP), from every TP rank. With tied embeddings and PP > 1 the
-  first and last stages all-reduce the word-embedding gradient once per step.
+  (all but the first), ``s x b x h`` (/t with SP, /u with Ulysses), from every TP rank. With tied embeddings
+  and PP > 1 the first and last stages all-reduce the word-embedding gradient once per step.
 * SP (DeepSpeed-Ulysses, megatron/core/ulysses.py), per layer and micro-batch: one all-to-all of this rank's
   fused QKV ``s/u x b x (nq + 2 nkv)/t x d`` and one of its attention context ``s/u x b x nq/t x d`` in forward,
   the same two in backward, and both again under full recompute (Q, K, V and the context are saved tensors, so
   the replay reaches them). Payload is the rank's own tensor (what ``comm.all_to_all`` sends and its byte
   observer counts); ``(u-1)/u`` of it leaves the rank. The loss's two-number all-reduce is bookkeeping.
 * DP over the local parameter shard P (with Ulysses: over SP x DP, where DeepSpeed reduces and shards), as
-  DeepSpeed 0.19.8 does it (counted in gloo runs, tests/distributed/test_perf_model_measured.py): ZeRO-0 all-reduces gradients once per step. ZeRO-1 and
-  ZeRO-2 *all-reduce* the gradient buckets and keep their slice (``use_multi_rank_bucket_allreduce``, on by
-  default), not a reduce-scatter: ZeRO-1 once per step, ZeRO-2 every micro-batch; both all-gather the
+  DeepSpeed 0.19.8 does it (counted in gloo runs, tests/distributed/test_perf_model_measured.py): ZeRO-0
+  all-reduces gradients once per step. ZeRO-1 and ZeRO-2 *all-reduce* the gradient buckets and keep their
+  slice (``use_multi_rank_bucket_allreduce``, on by default), not a reduce-scatter: ZeRO-1 once per step, ZeRO-2 every micro-batch; both all-gather the
   updated weights once per step. ZeRO-3 all-gathers weights in forward and reduce-scatters gradients every
   micro-batch; in backward it re-gathers only the parameters it released, i.e. those whose next use lies
   more than ``stage3_max_reuse_distance`` parameters ahead (``zero3_kept_parameters``; over the hpZ group
@@ -247,7 +247,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
 
     stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
-        p2p = act / (t if layout.sequence_parallel else 1)
+        p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
         if stage < layout.pp - 1:
             add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
         if stage > 0:

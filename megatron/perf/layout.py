@@ -104,9 +104,9 @@ class Layout:
 
         if self.ulysses < 1:
             raise ConfigError(f"--ds-sequence-parallel-size must be >= 1, got {self.ulysses}")
-        if self.ulysses > 1 and (self.pp > 1 or self.hierarchical_zero or self.hierarchical_zero_int8):
-            raise ConfigError(f"--ds-sequence-parallel-size {self.ulysses} needs PP=1 and no --zero-hierarchy "
-                              "(the trainer refuses both)")
+        if self.ulysses > 1 and (self.hierarchical_zero or self.hierarchical_zero_int8):
+            raise ConfigError(f"--ds-sequence-parallel-size {self.ulysses} with --zero-hierarchy: the trainer "
+                              "refuses it (its engine reduces over DP only)")
         if self.hierarchical_zero or self.hierarchical_zero_int8:
             if self.zero_stage != 3 or self.zero_hierarchy is not None:
                 raise ConfigError("--zero-hierarchy needs --zero-stage 3 and no --zero-hpz-partition-size")

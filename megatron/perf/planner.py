@@ -30,7 +30,7 @@ class SearchSpace:
     pp: tuple[int, ...] | None = None
     """Restrict PP sizes (default: every divisor of GCDs / TP that splits the layers sensibly)."""
     ds_sequence_parallel_size: tuple[int, ...] = (1,)
-    """DeepSpeed-Ulysses sizes to try (PP=1 only; each must split the heads per TP rank and the sequence)."""
+    """DeepSpeed-Ulysses sizes to try (each must split the heads per TP rank and the sequence)."""
 
 
 @dataclass
@@ -80,9 +80,9 @@ def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
             if not pp_splits_sensibly(model.num_layers, pp, space.max_stage_imbalance):
                 continue
             for u in space.ds_sequence_parallel_size:
-                if u > 1 and (pp > 1 or (gcds // (tp * pp)) % u or (model.num_attention_heads // tp) % u
+                if u > 1 and ((gcds // (tp * pp)) % u or (model.num_attention_heads // tp) % u
                               or (model.num_key_value_heads // tp) % u or model.seq_length % u):
-                    continue  # Ulysses: PP=1, and SP must split the heads per TP rank and the sequence
+                    continue  # Ulysses: SP must split the heads per TP rank and the sequence
                 out += _batch_layouts(model, tp, pp, u, gcds // (tp * pp * u), global_batch_size, space,
                                       zero_without_dp)
     return out

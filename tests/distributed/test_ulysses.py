@@ -1,6 +1,8 @@
 """DeepSpeed-Ulysses (--ds-sequence-parallel-size) against the single-process model: loss and every gradient
 for SP=2, SP=4, TP=2 x SP=2 (with and without Megatron's --sequence-parallel), GPT-2 (learned positions) and
-Llama (RoPE, GQA); then SP=2 and SP=2 x DP=2 training runs on DeepSpeed's engine (ZeRO-0, ZeRO-3, recompute)."""
+Llama (RoPE, GQA); then training runs on DeepSpeed's engine on 4 ranks: SP=2 x DP=2 under ZeRO-0/2/3 (selective
+recompute with ZeRO-2), SP=4 under ZeRO-1 with full recompute, TP=2 x SP=2 under ZeRO-1; PP=2 x SP=2 on the
+pipeline engine (ZeRO-0 tied GPT-2, ZeRO-1 Llama)."""
 
 import pytest
 import torch
@@ -70,20 +72,21 @@ def test_sp2_sp4_tp2sp2_loss_and_grads_match_single_process():
     assert results[0][("debug-llama", 2, 2, True)]["nparams"] > 10
 
 
-def _run_config(world, sp, zero, recompute=None):
+def _run_config(world, sp, zero, recompute=None, tp=1):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
 
     model = _model_cfg("debug-llama").replace(recompute_granularity=recompute)
     return RunConfig(
         model=model,
-        parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp, zero_stage=zero),
+        parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp, zero_stage=zero,
+                                tensor_model_parallel_size=tp),
         # clip 0.5 is active: a gradient norm off by the SP factor would change the losses
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
     ).validate()
 
 
-def _train(sp, zero, recompute=None):
+def _train(sp, zero, recompute=None, tp=1):
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -94,8 +97,8 @@ def _train(sp, zero, recompute=None):
     from megatron.training.batches import microbatches
     from megatron.training.step import train_step
 
-    run = _run_config(dist.get_world_size(), sp, zero, recompute)
-    state = ParallelState.build(1, sp_size=sp)
+    run = _run_config(dist.get_world_size(), sp, zero, recompute, tp)
+    state = ParallelState.build(tp, sp_size=sp)
     model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, sp=state.sp)
     ds = build_ds_config(run)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
@@ -124,10 +127,64 @@ def test_sp2_dp2_zero0_zero3_recompute_train_like_single_process():
     from tests.reference import reference_losses
 
     ref = reference_losses(_run_config(1, 1, 0), STEPS, dataset_size=1000)
-    runs = ((2, 0), (2, 3), (4, 1, "full"), (2, 2, "selective"))
+    runs = ((2, 0), (2, 3), (4, 1, "full"), (2, 2, "selective"), (2, 1, None, 2))  # (SP, ZeRO, recompute, TP)
     results = run_distributed(_train_worker, world_size=4, runs=runs)
     for rank, res in enumerate(results):
         for r, losses in res.items():
             for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
                 assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} run {r} step {step}: {a} vs {b}"
     assert min(ref[3:]) < ref[0] - 0.02, ref  # it learns, so equal losses mean something
+
+
+def _train_pipe(variant, zero):
+    """PP=2 x SP=2 on DeepSpeed's pipeline engine (its grid's data axis is SP x DP)."""
+    import deepspeed.comm as dist
+
+    from megatron.core.parallel_state import ParallelState
+    from megatron.core.ulysses import sequence_slices
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.model.gpt_model_pipe import GPTModelPipe
+    from megatron.training.batches import microbatches
+    from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
+
+    run = _pipe_run_config(variant, dist.get_world_size(), pp=2, sp=2, zero=zero)
+    state = ParallelState.build(1, 2, sp_size=2)
+    model = GPTModelPipe(run.model, state, init_seed=run.training.seed)
+    engine = initialize_engine(model, run, state, build_ds_config(run))
+    data = pipe_microbatches(sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS,
+                                                          state.dp.rank, state.dp.size, "cpu"), state.sp))
+    return [pipe_train_step(engine, data).loss for _ in range(STEPS)]
+
+
+def _pipe_run_config(variant, world, pp, sp, zero):
+    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+
+    return RunConfig(
+        model=_model_cfg(variant).replace(num_layers=4),
+        parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=pp, ds_sequence_parallel_size=sp,
+                                zero_stage=zero),
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
+    ).validate()
+
+
+def _pipe_worker(runs):
+    from megatron.initialize import initialize_distributed
+
+    initialize_distributed("gloo")
+    return {r: _train_pipe(*r) for r in runs}
+
+
+@pytest.mark.timeout(900)
+def test_pp2_sp2_pipeline_engine_trains_like_single_process():
+    from tests.reference import reference_losses
+
+    runs = (("debug", 0), ("debug-llama", 1))  # tied embeddings + learned positions; untied + RoPE + GQA
+    refs = {v: reference_losses(_pipe_run_config(v, 1, 1, 1, 0), STEPS, dataset_size=1000) for v, _ in runs}
+    results = run_distributed(_pipe_worker, world_size=4, runs=runs)
+    for rank, res in enumerate(results):
+        for (variant, zero), losses in res.items():
+            ref = refs[variant]
+            for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
+                assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} {variant} ZeRO-{zero} {step}: {a} vs {b}"
