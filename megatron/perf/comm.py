@@ -33,10 +33,11 @@ Which collectives run follows Megatron-LM with the DeepSpeed engine:
   the same two in backward, and both again under full recompute (Q, K, V and the context are saved tensors, so
   the replay reaches them). Payload is the rank's own tensor (what ``comm.all_to_all`` sends and its byte
   observer counts); ``(u-1)/u`` of it leaves the rank. The loss's two-number all-reduce is bookkeeping.
-* DP over the local parameter shard P (with Ulysses: over SP x DP, where DeepSpeed reduces and shards), as
-  DeepSpeed 0.19.8 does it (counted in gloo runs, tests/distributed/test_perf_model_measured.py): ZeRO-0
-  all-reduces gradients once per step. ZeRO-1 and ZeRO-2 *all-reduce* the gradient buckets and keep their
-  slice (``use_multi_rank_bucket_allreduce``, on by default), not a reduce-scatter: ZeRO-1 once per step, ZeRO-2 every micro-batch; both all-gather the
+* DP over the local parameter shard P, as DeepSpeed 0.19.8 does it (counted in gloo runs,
+  tests/distributed/test_perf_model_measured.py); with Ulysses over SP x DP, where DeepSpeed reduces and shards.
+  ZeRO-0 all-reduces gradients once per step. ZeRO-1 and ZeRO-2 *all-reduce* the gradient buckets and keep
+  their slice (``use_multi_rank_bucket_allreduce``, on by default), not a reduce-scatter: ZeRO-1 once per
+  step, ZeRO-2 every micro-batch; both all-gather the
   updated weights once per step. ZeRO-3 all-gathers weights in forward and reduce-scatters gradients every
   micro-batch; in backward it re-gathers only the parameters it released, i.e. those whose next use lies
   more than ``stage3_max_reuse_distance`` parameters ahead (``zero3_kept_parameters``; over the hpZ group

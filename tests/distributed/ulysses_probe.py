@@ -28,8 +28,7 @@ def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     initialize_distributed("gloo")
     out = []
     for cfg in configs:
-        run = _run_config(dist.get_world_size(), cfg["sp"], 1, cfg.get("recompute"))
-        run.parallel.tensor_model_parallel_size = cfg["tp"]
+        run = _run_config(dist.get_world_size(), cfg["sp"], 1, cfg.get("recompute"), cfg["tp"])
         run.training.global_batch_size = 2 * MBS * run.parallel.dp  # 2 micro-batches per step
         run.validate()
         state = ParallelState.build(cfg["tp"], sp_size=cfg["sp"])
