@@ -11,6 +11,7 @@ from tests.launcher import run_distributed
 
 TOL = 1e-5
 STEPS, GBS, MBS, SEQ = 6, 4, 1, 16
+PIPE_STEPS = 4
 
 
 def _model_cfg(variant):
@@ -154,7 +155,7 @@ def _train_pipe(variant, zero):
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = pipe_microbatches(sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS,
                                                           state.dp.rank, state.dp.size, "cpu"), state.sp))
-    return [pipe_train_step(engine, data).loss for _ in range(STEPS)]
+    return [pipe_train_step(engine, data).loss for _ in range(PIPE_STEPS)]
 
 
 def _pipe_run_config(variant, world, pp, sp, zero):
@@ -165,7 +166,7 @@ def _pipe_run_config(variant, world, pp, sp, zero):
         parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=pp, ds_sequence_parallel_size=sp,
                                 zero_stage=zero),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
-        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
+        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=PIPE_STEPS, seed=5),
     ).validate()
 
 
@@ -181,7 +182,7 @@ def test_pp2_sp2_pipeline_engine_trains_like_single_process():
     from tests.reference import reference_losses
 
     runs = (("debug", 0), ("debug-llama", 1))  # tied embeddings + learned positions; untied + RoPE + GQA
-    refs = {v: reference_losses(_pipe_run_config(v, 1, 1, 1, 0), STEPS, dataset_size=1000) for v, _ in runs}
+    refs = {v: reference_losses(_pipe_run_config(v, 1, 1, 1, 0), PIPE_STEPS, dataset_size=1000) for v, _ in runs}
     results = run_distributed(_pipe_worker, world_size=4, runs=runs)
     for rank, res in enumerate(results):
         for (variant, zero), losses in res.items():

@@ -53,6 +53,11 @@ def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     return out
 
 
+def measure(configs: list[dict], sp_sizes: list[int], model_kw: dict, steps: int = 2) -> tuple[list[int], dict]:
+    """Both measurements in one set of processes (``count_all_to_all``, then ``saved_bytes``)."""
+    return count_all_to_all(configs, steps), saved_bytes(sp_sizes, model_kw)
+
+
 def saved_bytes(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, int]:
     """{SP: bytes of the activations this rank keeps for backward in one micro-batch's forward} of a GPT-2
     (learned positions) with ``model_kw``; SP=1 runs on every rank alone (no collective)."""
