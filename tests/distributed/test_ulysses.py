@@ -1,8 +1,8 @@
 """DeepSpeed-Ulysses (--ds-sequence-parallel-size) against the single-process model: loss and every gradient
 for SP=2, SP=4, TP=2 x SP=2 (with and without Megatron's --sequence-parallel), GPT-2 (learned positions) and
 Llama (RoPE, GQA); then training runs on DeepSpeed's engine on 4 ranks: SP=2 x DP=2 under ZeRO-0/2/3 (selective
-recompute with ZeRO-2), SP=4 under ZeRO-1 with full recompute, TP=2 x SP=2 under ZeRO-1; PP=2 x SP=2 on the
-pipeline engine (ZeRO-0 tied GPT-2, ZeRO-1 Llama)."""
+recompute with ZeRO-2), SP=4 under ZeRO-1 with full recompute, TP=2 x SP=2 under ZeRO-1 and ZeRO-3; PP=2 x SP=2
+on the pipeline engine (ZeRO-0 tied GPT-2, ZeRO-1 Llama)."""
 
 import pytest
 import torch
@@ -128,7 +128,7 @@ def test_sp2_dp2_zero0_zero3_recompute_train_like_single_process():
     from tests.reference import reference_losses
 
     ref = reference_losses(_run_config(1, 1, 0), STEPS, dataset_size=1000)
-    runs = ((2, 0), (2, 3), (4, 1, "full"), (2, 2, "selective"), (2, 1, None, 2))  # (SP, ZeRO, recompute, TP)
+    runs = ((2, 0), (2, 3), (4, 1, "full"), (2, 2, "selective"), (2, 1, None, 2), (2, 3, None, 2))  # SP, ZeRO, rc, TP
     results = run_distributed(_train_worker, world_size=4, runs=runs)
     for rank, res in enumerate(results):
         for r, losses in res.items():
