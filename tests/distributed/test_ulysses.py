@@ -107,13 +107,14 @@ def _train(sp, zero, recompute=None, tp=1):
     data = sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS, state.dp.rank,
                                         state.dp.size, "cpu"), state.sp)
     gas = run.training.grad_accumulation_steps(state.dp.size)
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         res = train_step(engine, data, gas)
         t = torch.tensor([res.loss])
         dist.all_reduce(t, group=state.dp.group)  # the DP-mean loss, as the log reports it
         losses.append(t.item() / state.dp.size)
-    return losses
+        norms.append(float(res.grad_norm))
+    return losses, norms
 
 
 def _train_worker(runs):
@@ -123,18 +124,26 @@ def _train_worker(runs):
     return {r: _train(*r) for r in runs}
 
 
+def _check_run(rank, run, got, ref, norm_tol=1e-4):
+    """Losses within TOL and pre-clip gradient norms within ``norm_tol`` of the single-process run."""
+    (losses, norms), (ref_losses, ref_norms) = got, ref
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} run {run} step {step}: loss {a} vs {b}"
+    for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
+        assert abs(a - b) <= norm_tol * b, f"rank {rank} run {run} step {step}: grad norm {a} vs {b}"
+
+
 @pytest.mark.timeout(900)
 def test_sp2_dp2_zero0_zero3_recompute_train_like_single_process():
-    from tests.reference import reference_losses
+    from tests.reference import reference_losses_and_norms
 
-    ref = reference_losses(_run_config(1, 1, 0), STEPS, dataset_size=1000)
+    ref = reference_losses_and_norms(_run_config(1, 1, 0), STEPS, dataset_size=1000)
     runs = ((2, 0), (2, 3), (4, 1, "full"), (2, 2, "selective"), (2, 1, None, 2), (2, 3, None, 2))  # SP, ZeRO, rc, TP
     results = run_distributed(_train_worker, world_size=4, runs=runs)
     for rank, res in enumerate(results):
-        for r, losses in res.items():
-            for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
-                assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} run {r} step {step}: {a} vs {b}"
-    assert min(ref[3:]) < ref[0] - 0.02, ref  # it learns, so equal losses mean something
+        for r, got in res.items():
+            _check_run(rank, r, got, ref)
+    assert min(ref[0][3:]) < ref[0][0] - 0.02, ref  # it learns, so equal losses mean something
 
 
 def _train_pipe(variant, zero):
@@ -155,7 +164,8 @@ def _train_pipe(variant, zero):
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = pipe_microbatches(sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS,
                                                           state.dp.rank, state.dp.size, "cpu"), state.sp))
-    return [pipe_train_step(engine, data).loss for _ in range(PIPE_STEPS)]
+    steps = [pipe_train_step(engine, data) for _ in range(PIPE_STEPS)]
+    return [r.loss for r in steps], [float(r.grad_norm) for r in steps]
 
 
 def _pipe_run_config(variant, world, pp, sp, zero):
@@ -179,13 +189,12 @@ def _pipe_worker(runs):
 
 @pytest.mark.timeout(900)
 def test_pp2_sp2_pipeline_engine_trains_like_single_process():
-    from tests.reference import reference_losses
+    from tests.reference import reference_losses_and_norms
 
     runs = (("debug", 0), ("debug-llama", 1))  # tied embeddings + learned positions; untied + RoPE + GQA
-    refs = {v: reference_losses(_pipe_run_config(v, 1, 1, 1, 0), PIPE_STEPS, dataset_size=1000) for v, _ in runs}
+    refs = {v: reference_losses_and_norms(_pipe_run_config(v, 1, 1, 1, 0), PIPE_STEPS, dataset_size=1000)
+            for v, _ in runs}
     results = run_distributed(_pipe_worker, world_size=4, runs=runs)
     for rank, res in enumerate(results):
-        for (variant, zero), losses in res.items():
-            ref = refs[variant]
-            for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
-                assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} {variant} ZeRO-{zero} {step}: {a} vs {b}"
+        for (variant, zero), got in res.items():
+            _check_run(rank, (variant, zero), got, refs[variant])
