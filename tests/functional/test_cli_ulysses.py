@@ -2,10 +2,12 @@
 iteration 10; a head count SP cannot split is refused in one line before any process group."""
 
 from tests.functional.cli import TINY, losses, run_pretrain
+from tests.launcher import free_port
 
 
 def test_sp2_sp4_cli_match_sp1():
-    ref = losses(run_pretrain(1, TINY).stdout)
+    # A free port for the one-process run too: the default 29500 may be held by another job on a shared machine.
+    ref = losses(run_pretrain(1, TINY, env={"MASTER_PORT": str(free_port())}).stdout)
     sp2 = run_pretrain(2, TINY + ["--ds-sequence-parallel-size", "2"]).stdout
     sp4 = run_pretrain(4, TINY + ["--ds-sequence-parallel-size", "4"]).stdout
     for out in (sp2, sp4):
