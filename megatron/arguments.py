@@ -21,6 +21,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="use the plain GPTModel (no DeepSpeed pipeline engine); needed for ZeRO-2/3")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses: split each sequence over this many ranks of the data-parallel dimension")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo", "ccl", "mpi"],
                    help="default: the accelerator's own (gloo on CPU, nccl=RCCL on ROCm)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -378,7 +380,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                 sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0,
                                 zero_hierarchy=args.zero_hierarchy, zero_hierarchy_weights=args.zero_hierarchy_weights,
-                                zero_hierarchy_int8=args.zero_hierarchy_int8),
+                                zero_hierarchy_int8=args.zero_hierarchy_int8,
+                                ds_sequence_parallel_size=args.ds_sequence_parallel_size),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                                   lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                   lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,

@@ -189,6 +189,9 @@ class ParallelConfig:
     """Tier whose ranks share one copy of the 16-bit weights: 'node' or 'package' (default: node if listed)."""
     zero_hierarchy_int8: bool = False
     """Block-wise int8 on the network stage of hierarchical ZeRO (weights all-gather and gradient reduce)."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses sequence parallelism: SP ranks inside the data-parallel dimension each hold 1/SP of
+    the sequence; attention switches to head-sharded with two all-to-alls (megatron/core/ulysses.py)."""
 
     @property
     def tp(self) -> int:
@@ -199,13 +202,24 @@ class ParallelConfig:
         return self.pipeline_model_parallel_size
 
     @property
+    def sp(self) -> int:
+        return self.ds_sequence_parallel_size
+
+    @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
+        return self.world_size // (self.tp * self.pp * self.sp)
 
     def validate(self) -> None:
-        for name, v in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
+        for name, v in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp),
+                        ("--ds-sequence-parallel-size", self.sp)):
             if v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
+        if self.sp > 1 and self.world_size % (self.tp * self.pp * self.sp):
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by TP {self.tp} x PP {self.pp} x "
+                f"--ds-sequence-parallel-size {self.sp} = {self.tp * self.pp * self.sp}: launch a multiple of "
+                f"{self.tp * self.pp * self.sp} ranks or shrink the sizes")
         if self.world_size % (self.tp * self.pp):
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
@@ -350,6 +364,7 @@ class RunConfig:
     def validate(self) -> RunConfig:
         self.parallel.validate()
         self.model.validate(self.parallel.tp)
+        self._validate_sequence_parallel()
         self.precision.validate()
         self.optimizer.validate()
         self.training.validate(self.parallel.dp)
@@ -357,3 +372,20 @@ class RunConfig:
 
         validate_schedule(self)  # --train-samples / token / ramp arithmetic and upstream's schedule checks
         return self
+
+    def _validate_sequence_parallel(self) -> None:
+        """Ulysses splits the sequence into SP chunks and each TP rank's heads (query and KV) into SP groups."""
+        m, p = self.model, self.parallel
+        if p.sp == 1:
+            return
+        flag = f"--ds-sequence-parallel-size {p.sp}"
+        for name, heads in (("--num-attention-heads", m.num_attention_heads),
+                            ("--num-key-value-heads", m.num_key_value_heads)):
+            if (heads // p.tp) % p.sp:
+                raise ConfigError(f"{flag}: {name} {heads} gives {heads // p.tp} heads per TP rank, which SP cannot "
+                                  f"split; use an SP size that divides {heads // p.tp}")
+        chunks = p.sp * (p.tp if p.sequence_parallel else 1)
+        if m.seq_length % chunks:
+            why = f" x TP {p.tp} (--sequence-parallel)" if p.sequence_parallel else ""
+            raise ConfigError(f"{flag}: --seq-length {m.seq_length} is not divisible by SP {p.sp}{why}; use a "
+                              f"multiple of {chunks}")

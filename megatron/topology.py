@@ -338,7 +338,7 @@ def check_cpu_binding(placement: Placement, actual: set[int] | None = None) -> s
 
 @dataclass(frozen=True)
 class GroupReport:
-    """All groups of one kind ('tp', 'dp' or 'pp') and the slowest link each of them crosses."""
+    """All groups of one kind ('tp', 'dp', 'pp', or with Ulysses 'sp' / 'sdp') and the slowest link each crosses."""
 
     kind: str
     groups: list[list[int]]
@@ -358,17 +358,30 @@ class GroupReport:
         return f"{self.kind.upper()}: {len(self.groups)} groups of {self.size}; tiers: {counts}{note}"
 
 
-def parallel_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Megatron's rank order (TP innermost, then DP, then PP): rank = (pp_i * dp + dp_i) * tp + tp_i."""
+def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str, list[list[int]]]:
+    """Megatron's rank order (TP innermost, then DP, then PP): rank = (pp_i * dp + dp_i) * tp + tp_i.
+
+    With DeepSpeed-Ulysses (``sp`` > 1) that data-parallel dimension splits into SP (inner) x DP (outer):
+    "sdp" holds the former DP groups (gradients and ZeRO shards span them), "sp" their consecutive runs of
+    ``sp`` ranks (one sequence's shards: the all-to-alls), "dp" their strided members (different samples)."""
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} ranks")
     dp = world_size // (tp * pp)
-    return {
+    groups = {
         "tp": [[(p * dp + d) * tp + t for t in range(tp)] for p in range(pp) for d in range(dp)],
         "dp": [[(p * dp + d) * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)],
         "pp": [[(p * dp + d) * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
+    if sp > 1:
+        if dp % sp:
+            raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x "
+                              f"--ds-sequence-parallel-size {sp}: launch a multiple of {tp * pp * sp} ranks")
+        sdp = groups["dp"]
+        groups["sp"] = [g[i:i + sp] for g in sdp for i in range(0, dp, sp)]
+        groups["dp"] = [g[j::sp] for g in sdp for j in range(sp)]
+        groups["sdp"] = sdp
+    return groups
 
 
 def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
@@ -385,8 +398,8 @@ def group_tier(ranks: list[int], placements: list[Placement]) -> str:
     return "package" if len({placements[r].package for r in ranks}) == 1 else "node"
 
 
-def group_reports(placements: list[Placement], tp: int, pp: int) -> dict[str, GroupReport]:
-    groups = parallel_groups(len(placements), tp, pp)
+def group_reports(placements: list[Placement], tp: int, pp: int, sp: int = 1) -> dict[str, GroupReport]:
+    groups = parallel_groups(len(placements), tp, pp, sp)
     return {kind: GroupReport(kind, gs, [group_tier(g, placements) for g in gs]) for kind, gs in groups.items()}
 
 

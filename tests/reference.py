@@ -8,6 +8,13 @@ import torch
 
 def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int = 9) -> list[float]:
     """Mean lm loss of each of ``steps`` iterations of ``run`` (a validated RunConfig) on one process."""
+    return reference_losses_and_norms(run, steps, dataset_size, data_seed)[0]
+
+
+def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
+                               data_seed: int = 9) -> tuple[list[float], list[float]]:
+    """``reference_losses`` and each iteration's gradient norm before clipping: Adam and active clipping hide a
+    uniformly scaled gradient from the losses, the norm does not."""
     from megatron.core.parallel_state import single_process_state
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.engine import param_groups
@@ -32,7 +39,7 @@ def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int =
     n_micro = t.global_batch_size // mbs
     data = microbatches(MockGPTDataset(dataset_size, m.seq_length, m.vocab_size, seed=data_seed), 0, mbs, 0, 1,
                         "cpu")
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()
         total = 0.0
@@ -40,9 +47,9 @@ def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int =
             loss = gpt_forward_step(model, next(data))
             (loss / n_micro).backward()
             total += loss.item()
-        if o.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf"))
         opt.step()
         sched.step(t.global_batch_size)
         losses.append(total / n_micro)
-    return losses
+        norms.append(norm.item())
+    return losses, norms

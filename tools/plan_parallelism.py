@@ -60,6 +60,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--recompute-granularity", choices=("full", "selective"))
     g.add_argument("--zero-hpz-partition-size", type=int, help="ZeRO++ hpZ group (ZeRO-3)")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses ranks per sequence in the explicit layout (default 1)")
+    g.add_argument("--sp-sizes", type=int, nargs="+", default=[1],
+                   help="DeepSpeed-Ulysses sizes the search tries, e.g. 1 2 4 8 for long sequences (default: 1)")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the table")
     g.add_argument("--plot", metavar="FILE", help="write a PNG: memory vs TFLOP/s, and the step-time terms")
@@ -105,11 +109,12 @@ def explicit_layout(args: argparse.Namespace, gcds: int) -> Layout | None:
     if len(given) != len(LAYOUT_FLAGS):
         missing = [f"--{f.replace('_', '-')}" for f in LAYOUT_FLAGS if f not in given]
         raise ConfigError(f"an explicit layout needs all four layout flags; missing {', '.join(missing)}")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or gcds % (tp * pp):
+    tp, pp, sp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ds_sequence_parallel_size
+    if tp < 1 or pp < 1 or sp < 1 or gcds % (tp * pp * sp):
         raise ConfigError(f"{gcds} GCDs are not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}")
-    return Layout(tp=tp, pp=pp, dp=gcds // (tp * pp), micro_batch_size=args.micro_batch_size,
+                          f"--pipeline-model-parallel-size {pp} x --ds-sequence-parallel-size {sp}")
+    return Layout(tp=tp, pp=pp, dp=gcds // (tp * pp * sp), micro_batch_size=args.micro_batch_size,
+                  ds_sequence_parallel_size=sp,
                   global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
                   sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
                   flash_attention=not args.no_flash_attention, dtype=args.dtype,
@@ -181,6 +186,8 @@ def sbatch_command(model: ModelConfig, layout: Layout, ds_config_path: str | Non
               f"--micro-batch-size {layout.micro_batch_size}", f"--global-batch-size {layout.global_batch_size}"]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
+    if layout.ulysses > 1:
+        flags.append(f"--ds-sequence-parallel-size {layout.ulysses}")
     if layout.recompute_granularity:
         flags.append(f"--recompute-granularity {layout.recompute_granularity}")
     if layout.flash_attention:
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: {layout.describe()} needs {best.memory.total / GIB:.1f} GiB per GCD, "
                   f"over {args.memory_gib:g} GiB")
     else:
-        space = SearchSpace(flash_attention=not args.no_flash_attention, dtype=args.dtype)
+        space = SearchSpace(flash_attention=not args.no_flash_attention, dtype=args.dtype,
+                            ds_sequence_parallel_size=tuple(args.sp_sizes))
         ranked, everything = plan(model, gcds, args.global_batch_size, space, capacity)
         print(f"{len(everything)} valid layouts, {len(ranked)} fit in {args.memory_gib:g} GiB; top {args.top} "
               "by predicted useful TFLOP/s (memory in GiB per GCD, worst stage; time in s per step):")

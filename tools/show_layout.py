@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses ranks per sequence (inside the data-parallel dimension)")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x DP")
     p.add_argument("--zero-stage", type=int, default=0)
@@ -115,12 +117,13 @@ def world_from_args(args: argparse.Namespace) -> int:
 
 
 def layout_from_args(args: argparse.Namespace, world: int) -> Layout:
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world % (tp * pp):
+    tp, pp, sp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ds_sequence_parallel_size
+    if tp < 1 or pp < 1 or sp < 1 or world % (tp * pp * sp):
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}: launch a multiple of {max(1, tp * pp)} ranks")
-    dp = world // (tp * pp)
-    return Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=args.micro_batch_size,
+                          f"--pipeline-model-parallel-size {pp} x --ds-sequence-parallel-size {sp}: launch a "
+                          f"multiple of {max(1, tp * pp * sp)} ranks")
+    dp = world // (tp * pp * sp)
+    return Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=args.micro_batch_size, ds_sequence_parallel_size=sp,
                   global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
                   zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel,
                   recompute_granularity=args.recompute_granularity, flash_attention=args.flash,
@@ -189,6 +192,8 @@ def format_memory(est: MemoryEstimate, layout: Layout) -> str:
             hints.append("--recompute-granularity full")
         if layout.tp > 1 and not layout.sequence_parallel:
             hints.append("--sequence-parallel")
+        if layout.ulysses == 1 and layout.dp > 1:
+            hints.append("--ds-sequence-parallel-size (long sequences: activations / SP)")
         hints.append("a larger --pipeline-model-parallel-size or --tensor-model-parallel-size (<= 8)")
         lines.append(f"  try: {'; '.join(hints)}")
     return "\n".join(lines)
@@ -201,7 +206,7 @@ def render(model: ModelConfig, layout: Layout, world: int, ranks_per_node: int =
     layout.validate_for(model)
     check_tp_within_node(world, layout.tp, layout.pp, ranks_per_node, allow_tp_across_nodes)
     placements = frontier_placement(world, ranks_per_node)
-    reports = group_reports(placements, layout.tp, layout.pp)
+    reports = group_reports(placements, layout.tp, layout.pp, layout.ulysses)
     est = estimate_memory(model, layout)
     nodes = placements[-1].node_index + 1
     out = [

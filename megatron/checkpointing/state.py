@@ -86,10 +86,12 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
     check_saved_layout(saved, run, where)
     if not load_optim:
         return
+    # ZeRO partitions over every rank of the data-parallel dimension, DeepSpeed-Ulysses' SP ranks included.
     saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
-    if p["zero_stage"] > 0 and saved_dp != run.parallel.dp:
+    now_dp = run.parallel.dp * run.parallel.sp
+    if p["zero_stage"] > 0 and saved_dp != now_dp:
         raise ConfigError(f"--load {where}: ZeRO-{p['zero_stage']} optimizer state is partitioned over "
-                          f"data-parallel size {saved_dp}, now {run.parallel.dp}. Launch the same DP size, or pass "
+                          f"data-parallel size {saved_dp}, now {now_dp}. Launch the same DP size, or pass "
                           "--no-load-optim to restart the optimizer from the saved weights")
     if p["zero_stage"] != run.parallel.zero_stage:
         raise ConfigError(f"--load {where}: saved with --zero-stage {p['zero_stage']}, now "

@@ -210,8 +210,6 @@ REFUSALS: dict[str, Refused] = {
     "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
     "--universal-checkpoint": Refused("convert with tools/reshard_checkpoint.py, then --load the full state"),
     "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
-    # being built in this session (sample/token schedules, ramp, logging, optimizer, recompute, Ulysses)
-    "--ds-sequence-parallel-size": Refused("not built yet: use --ds-sequence-parallel-size 1"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {

@@ -11,6 +11,13 @@ Worked example: 16 ranks, TP=2, PP=4 (so DP=2). TP is innermost, then DP, then P
 With one process per GCD and Frontier's closest binding, consecutive ranks (0,1) share one MI250X
 package, so TP=2 rides the 200 GB/s in-package link and TP=8 stays inside a node.
 
+DeepSpeed-Ulysses (SP > 1) splits that DP dimension into SP (inner) x DP (outer), so the SP all-to-alls ride
+the fastest link TP leaves free. 16 ranks, TP=2, PP=2, SP=2 (so DP=2):
+
+    SP groups  (8): [0,2] [4,6] [1,3] [5,7] [8,10] [12,14] [9,11] [13,15]
+    DP groups  (8): [0,4] [2,6] [1,5] [3,7] [8,12] [10,14] [9,13] [11,15]
+    SDP groups (4): [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]   (gradients and ZeRO shards)
+
 ``ParallelState`` is also the ``mpu`` object DeepSpeed expects (get_model_parallel_* = TP,
 get_data_parallel_*). The registry holds the one instance of the run; code that wants other groups
 (tests, tools) builds its own ``ParallelState`` and passes it explicitly.
@@ -25,10 +32,11 @@ import deepspeed.comm as dist
 from megatron.topology import parallel_groups
 
 
-def layout_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+def layout_groups(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str, list[list[int]]]:
     """Pure function: the rank lists of every TP, DP and PP group (``megatron.topology.parallel_groups``, the one
-    statement of Megatron's rank order), plus "mp": the TP x PP ranks of each full model replica."""
-    groups = parallel_groups(world_size, tp, pp)
+    statement of Megatron's rank order; with SP > 1 also "sp" and "sdp"), plus "mp": the TP x PP ranks of each
+    full model replica (each SP rank counts as one: after the gradient reduction SP peers hold equal grads)."""
+    groups = parallel_groups(world_size, tp, pp, sp)
     dp = world_size // (tp * pp)
     groups["mp"] = [[(p * dp + d) * tp + t for p in range(pp) for t in range(tp)] for d in range(dp)]
     return groups
@@ -57,24 +65,35 @@ class ParallelState:
     pp: GroupInfo
     mp: GroupInfo
     all_groups: dict[str, list[list[int]]] = field(default_factory=dict)
+    sp: GroupInfo | None = None
+    """DeepSpeed-Ulysses sequence group (size 1 without it)."""
+    sdp: GroupInfo | None = None
+    """SP x DP: where gradients are reduced and ZeRO shards (the DP group itself without SP)."""
+
+    def __post_init__(self) -> None:
+        if self.sp is None:
+            self.sp = GroupInfo([self.global_rank], 0, None)
+        if self.sdp is None:
+            self.sdp = self.dp
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int = 1, world_size: int | None = None,
-              global_rank: int | None = None) -> ParallelState:
+              global_rank: int | None = None, sp_size: int = 1) -> ParallelState:
         """Create the groups. Every rank must call this in the same order (new_group is collective)."""
         distributed = dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if distributed else 1
         if global_rank is None:
             global_rank = dist.get_rank() if distributed else 0
-        groups = layout_groups(world_size, tp_size, pp_size)
+        groups = layout_groups(world_size, tp_size, pp_size, sp_size)
         mine = {}
         for kind, lists in groups.items():
             for ranks in lists:
                 handle = dist.new_group(ranks) if distributed else None
                 if global_rank in ranks:
                     mine[kind] = GroupInfo(ranks, ranks.index(global_rank), handle)
-        return cls(world_size, global_rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups)
+        return cls(world_size, global_rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups,
+                   mine.get("sp"), mine.get("sdp"))
 
     # --- the mpu interface DeepSpeed probes (model parallel == tensor parallel here) ---
     def get_model_parallel_rank(self) -> int:
@@ -99,6 +118,26 @@ class ParallelState:
     def get_data_parallel_group(self):
         return self.dp.group
 
+    # DeepSpeed reads these (deepspeed.utils.groups): it reduces gradients, partitions ZeRO states and
+    # broadcasts the initial weights over the SP x DP group, and divides the summed gradients by DP only.
+    def get_sequence_parallel_rank(self) -> int:
+        return self.sp.rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sp.size
+
+    def get_sequence_parallel_group(self):
+        return self.sp.group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.sdp.rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.sdp.size
+
+    def get_sequence_data_parallel_group(self):
+        return self.sdp.group
+
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.pp.rank
 
@@ -111,8 +150,10 @@ class ParallelState:
     def describe(self) -> str:
         """Which global ranks form each group (printed by rank 0 at start-up)."""
         lines = []
-        for kind in ("tp", "pp", "dp"):
-            lists = self.all_groups.get(kind, [])
+        for kind in ("tp", "pp", "dp", "sp", "sdp"):
+            if kind not in self.all_groups:
+                continue
+            lists = self.all_groups[kind]
             shown = " ".join(str(r) for r in lists[:8]) + (" ..." if len(lists) > 8 else "")
             lines.append(f"  {kind.upper()} groups ({len(lists)} of size {len(lists[0]) if lists else 0}): {shown}")
         return "\n".join(lines)

@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.core.tensor_parallel.recompute import CheckpointOptions, checkpoint_with
+from megatron.core.ulysses import position_ids as sequence_position_ids
 from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
 from megatron.model.norms import Norm
@@ -21,17 +22,18 @@ from megatron.model.transformer import TransformerLayer
 
 class GPTModel(nn.Module):
     """tokens [b, s] -> per-token loss [b, s] (fp32) when labels are given, else vocab-parallel
-    logits [b, s, V/tp]."""
+    logits [b, s, V/tp]. With DeepSpeed-Ulysses (``sp``) tokens and labels are this SP rank's slice [b, s/SP]."""
 
     def __init__(self, cfg: ModelConfig, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234) -> None:
+                 init_seed: int = 1234, sp: GroupInfo | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.sp = sp if sp is not None else GroupInfo([0], 0, None)
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
         common = dict(tp=tp, sequence_parallel=self.sequence_parallel, init_seed=init_seed)
         self.embedding = Embedding(cfg, self.padded_vocab_size, **common)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common, sp=self.sp) for i in range(cfg.num_layers))
         self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
                                     sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
@@ -41,7 +43,9 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
+        if position_ids is None and self.sp.size > 1:  # learned positions are global (RoPE is, after the all-to-all)
+            position_ids = sequence_position_ids(tokens.shape[1], self.sp, tokens.device)
+        x = self.embedding(tokens, position_ids)  # [s(/sp)(/tp), b, h]
         for start, end, recompute in self.segments:
             run = self.layers[start] if end == start + 1 else self._layers(start, end)
             if self.training and recompute:  # keeps only the segment's input [s, b, h] (or 1/TP of it)

@@ -12,8 +12,10 @@ GPTModelPipe only when ``--pipeline-model-parallel-size`` > 1; ``--no-pipeline-p
 refused. This class itself also works at PP=1 (tests use that).
 
 The pipeline grid's rank order is DeepSpeed's axes ``['pipe', 'data', 'model']``: rank =
-pipe * (DP * TP) + data * TP + model, exactly ``ParallelState``'s. The constructor checks that the two
-agree group by group, then builds the layers with ``ParallelState``'s own TP group.
+pipe * (DP * TP) + data * TP + model, exactly ``ParallelState``'s (with DeepSpeed-Ulysses the data axis is
+SP x DP: the engine then averages gradients over it, and ``LMLoss`` makes up the factor SP in the backward).
+The constructor checks that the two agree group by group, then builds the layers with ``ParallelState``'s own
+TP group.
 
 Activation recompute: each stage checkpoints its first ``--recompute-num-layers`` transformer layers (all
 of them by default), Megatron's "block" rule, because the first stage holds the most micro-batches in flight.
@@ -27,9 +29,11 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from megatron.config import ModelConfig
-from megatron.core.parallel_state import ParallelState
+from megatron.core.parallel_state import GroupInfo, ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.recompute import checkpoint_with
+from megatron.core.ulysses import position_ids as sequence_position_ids
+from megatron.core.ulysses import sequence_mean
 from megatron.errors import ConfigError
 from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
@@ -45,12 +49,16 @@ class EmbeddingPipe(Embedding):
     """tokens [b, s] -> [s(/tp), b, h]. When tied it also owns a weightless output head, so the last
     stage's copy of this module can project with ``word_embeddings.weight`` (see ``tied_output``)."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, **common) -> None:
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, sp: GroupInfo | None = None,
+                 **common) -> None:
         super().__init__(cfg, padded_vocab_size, **common)
         self.head = OutputLayer(cfg, padded_vocab_size, **common) if tied_head else None
+        self.sp = sp if sp is not None else GroupInfo([0], 0, None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().forward(tokens)
+        # DeepSpeed-Ulysses: tokens are this SP rank's slice; learned positions stay global.
+        positions = sequence_position_ids(tokens.shape[1], self.sp, tokens.device) if self.sp.size > 1 else None
+        return super().forward(tokens, positions)
 
 
 def tied_output(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
@@ -87,13 +95,16 @@ class LMLoss:
     """The engine's ``loss_fn``: masked mean of the vocab-parallel cross entropy, fp32 (as gpt_forward_step)."""
 
     def __init__(self, pstate: ParallelState) -> None:
-        self.tp = pstate.tp
+        self.tp, self.sp = pstate.tp, pstate.sp
 
     def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         target, mask = labels
         # logits arrive as the [b, s, V/tp] view of [s, b, V/tp]: undo the view so the loss's chunks are
         # contiguous, and no .float(): the loss upcasts one chunk at a time.
         losses = vocab_parallel_cross_entropy(logits.transpose(0, 1), target.t(), self.tp).t()  # [b, s]
+        if self.sp.size > 1:
+            # The pipeline engine averages gradients over its grid's data axis, SP x DP: the backward makes up SP.
+            return sequence_mean(losses, mask, self.sp, grad_scale=float(self.sp.size))
         mask = mask.float()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -146,7 +157,8 @@ def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", 
 
 def check_topology(topo: PipeModelDataParallelTopology, pstate: ParallelState) -> None:
     """DeepSpeed's grid and our groups must list the same ranks, or TP would all-reduce across stages."""
-    for axis, kind in (("model", "tp"), ("data", "dp"), ("pipe", "pp")):
+    data = "sdp" if "sdp" in pstate.all_groups else "dp"  # Ulysses: the grid's data axis is SP x DP
+    for axis, kind in (("model", "tp"), ("data", data), ("pipe", "pp")):
         theirs = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis)) if topo.get_dim(axis) > 1 else None
         ours = sorted(sorted(g) for g in pstate.all_groups[kind])
         if theirs is not None and theirs != ours:
@@ -166,20 +178,20 @@ class GPTModelPipe(PipelineModule):
         common = {"tp": tp, "sequence_parallel": sp, "init_seed": init_seed}
         specs: list = []
         if cfg.tie_embeddings:
-            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True,
+            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, sp=pstate.sp,
                                        tied_weight_attr=["word_embeddings.weight"], **common))
         else:
-            specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, **common))
-        specs += [LayerSpec(TransformerLayerPipe, cfg, i, **common) for i in range(cfg.num_layers)]
+            specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, sp=pstate.sp, **common))
+        specs += [LayerSpec(TransformerLayerPipe, cfg, i, sp=pstate.sp, **common) for i in range(cfg.num_layers)]
         specs.append(LayerSpec(FinalNormPipe, cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
                                sequence_parallel=sp))
         if cfg.tie_embeddings:
             specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, forward_fn=tied_output,
-                                       tied_weight_attr=["word_embeddings.weight"], **common))
+                                       sp=pstate.sp, tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
         self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size)
-        topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.dp.size)
+        topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.sdp.size)
         check_topology(topo, pstate)
         super().__init__(specs, topology=topo, loss_fn=LMLoss(pstate), partition_method=partition_method,
                          activation_checkpoint_interval=0)

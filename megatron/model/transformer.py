@@ -18,7 +18,7 @@ from megatron.model.norms import Norm
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234) -> None:
+                 init_seed: int = 1234, sp: GroupInfo | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_number = layer_number
@@ -27,7 +27,7 @@ class TransformerLayer(nn.Module):
                     backend=cfg.attention_backend)
         self.input_layernorm = Norm(cfg.hidden_size, **norm)
         self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
-                                            init_seed=init_seed)
+                                            init_seed=init_seed, sp=sp)
         self.post_attention_layernorm = Norm(cfg.hidden_size, **norm)
         self.mlp = MLP(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel, init_seed=init_seed)
 

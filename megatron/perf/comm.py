@@ -26,12 +26,18 @@ Which collectives run follows Megatron-LM with the DeepSpeed engine:
   does one fp32 all-reduce (MAX) of ``b x s`` and one fp32 all-reduce of ``2 x b x s``.
   Scalar bookkeeping (grad norm, loss averaging) is not modelled.
 * PP: per micro-batch one activation send forward (all but the last stage) and one gradient send backward
-  (all but the first), ``s x b x h`` (/t with SP), from every TP rank. With tied embeddings and PP > 1 the
-  first and last stages all-reduce the word-embedding gradient once per step.
+  (all but the first), ``s x b x h`` (/t with SP, /u with Ulysses), from every TP rank. With tied embeddings
+  and PP > 1 the first and last stages all-reduce the word-embedding gradient once per step.
+* SP (DeepSpeed-Ulysses, megatron/core/ulysses.py), per layer and micro-batch: one all-to-all of this rank's
+  fused QKV ``s/u x b x (nq + 2 nkv)/t x d`` and one of its attention context ``s/u x b x nq/t x d`` in forward,
+  the same two in backward, and both again under full recompute (Q, K, V and the context are saved tensors, so
+  the replay reaches them). Payload is the rank's own tensor (what ``comm.all_to_all`` sends and its byte
+  observer counts); ``(u-1)/u`` of it leaves the rank. The loss's two-number all-reduce is bookkeeping.
 * DP over the local parameter shard P, as DeepSpeed 0.19.8 does it (counted in gloo runs,
-  tests/distributed/test_perf_model_measured.py): ZeRO-0 all-reduces gradients once per step. ZeRO-1 and
-  ZeRO-2 *all-reduce* the gradient buckets and keep their slice (``use_multi_rank_bucket_allreduce``, on by
-  default), not a reduce-scatter: ZeRO-1 once per step, ZeRO-2 every micro-batch; both all-gather the
+  tests/distributed/test_perf_model_measured.py); with Ulysses over SP x DP, where DeepSpeed reduces and shards.
+  ZeRO-0 all-reduces gradients once per step. ZeRO-1 and ZeRO-2 *all-reduce* the gradient buckets and keep
+  their slice (``use_multi_rank_bucket_allreduce``, on by default), not a reduce-scatter: ZeRO-1 once per
+  step, ZeRO-2 every micro-batch; both all-gather the
   updated weights once per step. ZeRO-3 all-gathers weights in forward and reduce-scatters gradients every
   micro-batch; in backward it re-gathers only the parameters it released, i.e. those whose next use lies
   more than ``stage3_max_reuse_distance`` parameters ahead (``zero3_kept_parameters``; over the hpZ group
@@ -67,9 +73,9 @@ LATENCY = {"package": 5e-6, "node": 10e-6, "network": 30e-6}
 @dataclass
 class Collective:
     group: str
-    """'tp', 'pp', 'dp' or 'embedding' (first <-> last stage)."""
+    """'tp', 'pp', 'dp', 'sp' (Ulysses) or 'embedding' (first <-> last stage)."""
     op: str
-    """'all_reduce', 'all_gather', 'reduce_scatter' or 'send'."""
+    """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all' or 'send'."""
     phase: str
     """What it is for, e.g. 'layer fwd', 'zero grads'."""
     calls: int
@@ -115,6 +121,7 @@ class Collective:
         return share if k == 1 else min(share, PACKAGE_BW if k == 2 else NODE_BW)
 
     def seconds_per_call(self) -> float:
+        # An all-to-all is (n-1) pairwise exchanges of payload/n each: the same steps and bytes as a ring gather.
         steps = 1 if self.op == "send" else (self.group_size - 1) * (2 if self.op == "all_reduce" else 1)
         return LATENCY[self.tier] * steps + self.payload_bytes * self.wire_factor / self.bandwidth()
 
@@ -158,8 +165,23 @@ def _group_geometry(ranks: tuple[int, ...], me: int) -> tuple[str, int]:
     return _tier(list(ranks)), sum(1 for r in ranks if r // GCDS_PER_NODE == my_node)
 
 
-def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-    return (stage * layout.dp + dp_rank) * layout.tp + tp_rank
+def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0, sp_rank: int = 0) -> int:
+    """Megatron's order with Ulysses inside DP: rank = ((stage * DP + dp) * SP + sp) * TP + tp."""
+    return ((stage * layout.dp + dp_rank) * layout.ulysses + sp_rank) * layout.tp + tp_rank
+
+
+def _shard_rank(layout: Layout, stage: int, d: int) -> int:
+    """The ``d``-th rank (TP rank 0) of the SP x DP group of ``stage``, where ZeRO shards and gradients reduce."""
+    return _rank(layout, stage, d // layout.ulysses, 0, d % layout.ulysses)
+
+
+def ulysses_all_to_all_bytes(model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(QKV, context) bytes this rank sends into each of a layer's two Ulysses all-to-alls, per micro-batch."""
+    u, t = layout.ulysses, layout.tp
+    tokens = model.seq_length // u * layout.micro_batch_size
+    d, a = model.head_dim, layout.dtype_bytes
+    qkv = tokens * (model.num_attention_heads + 2 * model.num_key_value_heads) // t * d * a
+    return float(qkv), float(tokens * model.num_attention_heads // t * d * a)
 
 
 def _norm_tensors(model: ModelConfig) -> int:
@@ -217,9 +239,16 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("tp", "all_reduce", "cross entropy max", m, 4 * s * b, tp_ranks)
             add("tp", "all_reduce", "cross entropy sum", m, 8 * s * b, tp_ranks)
 
-    stage_gcds = min(GCDS_PER_NODE, t * layout.dp)
+    if layout.ulysses > 1:
+        sp_ranks = [_rank(layout, stage, 0, 0, j) for j in range(layout.ulysses)]
+        n_layers = layout.stage_layers(model.num_layers)[stage]
+        passes = 2 + (1 if layout.recompute_granularity == "full" else 0)  # forward, backward, replayed forward
+        for payload in ulysses_all_to_all_bytes(model, layout):
+            add("sp", "all_to_all", "attention", m * n_layers * passes, payload, sp_ranks)
+
+    stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
-        p2p = act / (t if layout.sequence_parallel else 1)
+        p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
         if stage < layout.pp - 1:
             add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
         if stage > 0:
@@ -229,10 +258,10 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("embedding", "all_reduce", "tied embedding grads", 1,
                 model.padded_vocab_size(t) * h // t * a, pair, stage_gcds)
 
-    if layout.dp > 1:
+    if layout.shard_dp > 1:
         p = stage_parameters(model, layout, stage)
         w, g = p * a, p * a  # 16-bit (or fp32) weights and gradients on the wire
-        dp_ranks = [_rank(layout, stage, d) for d in range(layout.dp)]
+        dp_ranks = [_shard_rank(layout, stage, d) for d in range(layout.shard_dp)]
         z = layout.zero_stage
         if z == 0:
             add("dp", "all_reduce", "grads", 1, g, dp_ranks)
@@ -244,7 +273,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
                                           layout.hierarchical_zero_int8)
         else:
             add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
-            k = layout.zero_hierarchy or layout.dp
+            k = layout.zero_hierarchy or layout.shard_dp
             released = p - zero3_kept_parameters(p, zero3_reuse_distance)
             add("dp", "all_gather", "weights bwd", m, released * a, dp_ranks[:k])
             add("dp", "reduce_scatter", "grads", m, g, dp_ranks)

@@ -1,4 +1,4 @@
-"""One parallel layout (TP x PP x DP, batch, ZeRO, recompute) as the performance model sees it.
+"""One parallel layout (TP x PP x [Ulysses SP x] DP, batch, ZeRO, recompute) as the performance model sees it.
 
 The checks here are the ones the trainer and DeepSpeed enforce, so a layout the planner proposes can be launched.
 """
@@ -37,6 +37,9 @@ class Layout:
     """Our hierarchical ZeRO-3 (package -> node -> network; megatron/perf/hzero.py), instead of DeepSpeed's."""
     hierarchical_zero_int8: bool = False
     """Block-wise int8 on its network stage."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses: ranks sharing one sequence, inside the data-parallel dimension (``dp`` counts the rest).
+    Activations shrink by it; two all-to-alls per layer appear; ZeRO shards over SP x DP."""
 
     def __post_init__(self) -> None:
         if self.tp == 1:
@@ -45,7 +48,16 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.ulysses * self.dp
+
+    @property
+    def ulysses(self) -> int:
+        return self.ds_sequence_parallel_size
+
+    @property
+    def shard_dp(self) -> int:
+        """Ranks ZeRO partitions over and gradients are reduced over: SP x DP."""
+        return self.ulysses * self.dp
 
     @property
     def num_microbatches(self) -> int:
@@ -90,6 +102,11 @@ class Layout:
                     f"--zero-hpz-partition-size {self.zero_hierarchy} must divide the data-parallel size {self.dp}"
                 )
 
+        if self.ulysses < 1:
+            raise ConfigError(f"--ds-sequence-parallel-size must be >= 1, got {self.ulysses}")
+        if self.ulysses > 1 and (self.hierarchical_zero or self.hierarchical_zero_int8):
+            raise ConfigError(f"--ds-sequence-parallel-size {self.ulysses} with --zero-hierarchy: the trainer "
+                              "refuses it (its engine reduces over DP only)")
         if self.hierarchical_zero or self.hierarchical_zero_int8:
             if self.zero_stage != 3 or self.zero_hierarchy is not None:
                 raise ConfigError("--zero-hierarchy needs --zero-stage 3 and no --zero-hpz-partition-size")
@@ -99,6 +116,11 @@ class Layout:
     def validate_for(self, model: ModelConfig) -> None:
         """Checks that need the model shape: TP divides heads and widths, PP has layers to split."""
         model.validate(self.tp)
+        u = self.ulysses
+        if u > 1 and ((model.num_key_value_heads // self.tp) % u or (model.num_attention_heads // self.tp) % u
+                      or model.seq_length % (u * (self.tp if self.sequence_parallel else 1))):
+            raise ConfigError(f"--ds-sequence-parallel-size {u} cannot split this model's heads per TP rank or its "
+                              f"sequence length {model.seq_length}")
         if self.pp > model.num_layers:
             raise ConfigError(
                 f"--pipeline-model-parallel-size {self.pp} exceeds --num-layers {model.num_layers}: "
@@ -118,6 +140,8 @@ class Layout:
             extras.append(f"recompute={self.recompute_granularity}")
         if self.zero_hierarchy:
             extras.append(f"hpZ={self.zero_hierarchy}")
+        if self.ulysses > 1:
+            extras.append(f"Ulysses SP={self.ulysses}")
         if self.hierarchical_zero or self.hierarchical_zero_int8:
             extras.append("hierarchical ZeRO" + (" int8" if self.hierarchical_zero_int8 else ""))
         tail = f" ({', '.join(extras)})" if extras else ""

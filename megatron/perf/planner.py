@@ -29,6 +29,8 @@ class SearchSpace:
     """A PP size that does not divide the layers is kept if its biggest stage is at most this much over average."""
     pp: tuple[int, ...] | None = None
     """Restrict PP sizes (default: every divisor of GCDs / TP that splits the layers sensibly)."""
+    ds_sequence_parallel_size: tuple[int, ...] = (1,)
+    """DeepSpeed-Ulysses sizes to try (each must split the heads per TP rank and the sequence)."""
 
 
 @dataclass
@@ -60,7 +62,8 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
                       space: SearchSpace | None = None) -> list[Layout]:
-    """Every valid layout: TP <= 8 dividing heads/KV heads/FFN, PP a sensible split, DP = gcds / (TP x PP),
+    """Every valid layout: TP <= 8 dividing heads/KV heads/FFN, PP a sensible split, Ulysses SP from the space,
+    DP = gcds / (TP x PP x SP),
     the micro-batch dividing the per-replica batch, ZeRO >= 2 only without a pipeline."""
     space = space or SearchSpace()
     # Without DP every ZeRO stage costs the same: keep one (ZeRO-1, as the ORNL runs used, when allowed).
@@ -76,19 +79,33 @@ def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
                 continue
             if not pp_splits_sensibly(model.num_layers, pp, space.max_stage_imbalance):
                 continue
-            dp = gcds // (tp * pp)
-            for mbs in space.micro_batch_size:
-                if global_batch_size % (mbs * dp):
-                    continue
-                for zero in space.zero_stage:
-                    if (zero >= 2 and pp > 1) or (dp == 1 and zero != zero_without_dp):
-                        continue  # DeepSpeed's pipeline engine takes ZeRO 0/1 only
-                    for rc in space.recompute_granularity:
-                        for sp in space.sequence_parallel if tp > 1 else (False,):
-                            out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                                              global_batch_size=global_batch_size, zero_stage=zero,
-                                              sequence_parallel=sp, recompute_granularity=rc,
-                                              flash_attention=space.flash_attention, dtype=space.dtype))
+            for u in space.ds_sequence_parallel_size:
+                if u > 1 and ((gcds // (tp * pp)) % u or (model.num_attention_heads // tp) % u
+                              or (model.num_key_value_heads // tp) % u or model.seq_length % u):
+                    continue  # Ulysses: SP must split the heads per TP rank and the sequence
+                out += _batch_layouts(model, tp, pp, u, gcds // (tp * pp * u), global_batch_size, space,
+                                      zero_without_dp)
+    return out
+
+
+def _batch_layouts(model: ModelConfig, tp: int, pp: int, u: int, dp: int, global_batch_size: int,
+                   space: SearchSpace, zero_without_dp: int) -> list[Layout]:
+    out = []
+    for mbs in space.micro_batch_size:
+        if global_batch_size % (mbs * dp):
+            continue
+        for zero in space.zero_stage:
+            if (zero >= 2 and pp > 1) or (dp * u == 1 and zero != zero_without_dp):
+                continue  # DeepSpeed's pipeline engine takes ZeRO 0/1 only
+            for rc in space.recompute_granularity:
+                for sp in space.sequence_parallel if tp > 1 else (False,):
+                    if sp and u > 1 and model.seq_length % (u * tp):
+                        continue
+                    out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                                      global_batch_size=global_batch_size, zero_stage=zero,
+                                      sequence_parallel=sp, recompute_granularity=rc,
+                                      flash_attention=space.flash_attention, dtype=space.dtype,
+                                      ds_sequence_parallel_size=u))
     return out
 
 

@@ -113,14 +113,15 @@ def stage_flops_per_microbatch(model: ModelConfig, layout: Layout, stage: int) -
         per_token += n * 4 * model.seq_length * model.hidden_size  # same as flops.iteration_flops
     if stage == layout.pp - 1:
         per_token += 3 * logits_f
-    return per_token * model.seq_length * layout.micro_batch_size / layout.tp
+    # DeepSpeed-Ulysses: 1/SP of the tokens outside attention, 1/SP of the heads (whole sequence) inside it.
+    return per_token * model.seq_length * layout.micro_batch_size / layout.tp / layout.ulysses
 
 
 def _worst_middle_stage(layout: Layout) -> int | None:
     """A middle stage whose pipeline neighbours are furthest away (sends cross the slowest link)."""
     if layout.pp < 3:
         return None
-    block = layout.tp * layout.dp
+    block = layout.tp * layout.shard_dp
 
     def crosses_node(i: int, j: int) -> bool:
         return (i * block) // GCDS_PER_NODE != (j * block) // GCDS_PER_NODE
@@ -145,7 +146,7 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
         comm = estimate_comm(model, layout, stage)
         comms[stage] = comm
         compute = stage_flops_per_microbatch(model, layout, stage) / (efficiency * peak)
-        tp = comm.seconds(groups=("tp",)) / m
+        tp = comm.seconds(groups=("tp", "sp")) / m  # TP collectives and Ulysses all-to-alls: inside every layer
         pp = comm.seconds(groups=("pp",)) / m
         t_mb = compute + tp + pp
         if best is None or t_mb > best[0]:
@@ -160,7 +161,7 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
         per_micro = sum(c.seconds for c in comm.collectives if c.group == "dp" and c.calls > 1)
         compute_all = m * stage_flops_per_microbatch(model, layout, stage) / (efficiency * peak)
         dp_exposed = max(dp_exposed, per_step + _exposed_overlapped(per_micro, compute_all))
-        local = stage_parameters(model, layout, stage) / (layout.dp if layout.zero_stage >= 1 else 1)
+        local = stage_parameters(model, layout, stage) / (layout.shard_dp if layout.zero_stage >= 1 else 1)
         optimizer = max(optimizer, local * ADAM_BYTES_PER_PARAM / (HBM_BW * OPTIMIZER_HBM_EFFICIENCY))
 
     flops = iteration_flops(model, layout.global_batch_size, model.padded_vocab_size(layout.tp),

@@ -7,6 +7,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.model.gpt_model_pipe import partition, spec_parameters, stage_contents
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_stage_memory
+from megatron.topology import GCDS_PER_NODE, frontier_placement, group_reports
 
 
 def run_layout(run: RunConfig) -> Layout:
@@ -14,7 +15,18 @@ def run_layout(run: RunConfig) -> Layout:
     return Layout(tp=p.tp, pp=p.pp, dp=p.dp, micro_batch_size=t.micro_batch_size,
                   global_batch_size=t.global_batch_size, zero_stage=p.zero_stage,
                   sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
-                  flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name)
+                  flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name,
+                  ds_sequence_parallel_size=p.sp)
+
+
+def sequence_parallel_links(run: RunConfig, ranks_per_node: int = GCDS_PER_NODE) -> str:
+    """Which Frontier link DeepSpeed-Ulysses' all-to-alls cross (SP groups) and where its gradients reduce (SP x DP),
+    for ``ranks_per_node`` consecutive ranks per node under closest binding."""
+    p = run.parallel
+    placements = frontier_placement(p.world_size, min(ranks_per_node, p.world_size))
+    reports = group_reports(placements, p.tp, p.pp, p.sp)
+    return (f"  DeepSpeed-Ulysses SP={p.sp}: all-to-alls over {reports['sp'].summary()}; "
+            f"gradients and ZeRO shards over {reports['sdp'].summary()}")
 
 
 def _size(nbytes: float) -> str:
@@ -32,11 +44,14 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     parts = partition(m, p.pp, partition_method, p.tp)
     per_spec = spec_parameters(m, p.tp)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
-    lines = [f"> layout: world {p.world_size} = TP {p.tp} x PP {p.pp} x DP {p.dp}; ZeRO-{p.zero_stage}; "
+    ulysses = f" x SP {p.sp} (DeepSpeed-Ulysses)" if p.sp > 1 else ""
+    lines = [f"> layout: world {p.world_size} = TP {p.tp} x PP {p.pp}{ulysses} x DP {p.dp}; ZeRO-{p.zero_stage}; "
              f"{run.precision.name}; sequence parallel {p.sequence_parallel}; "
              f"recompute {m.recompute_granularity or 'none'}"
              f"{'' if m.recompute_num_layers is None else f' ({m.recompute_num_layers} layers per stage)'}; "
              f"{layout.num_microbatches} micro-batches per step", pstate.describe()]
+    if p.sp > 1:
+        lines.append(sequence_parallel_links(run))
     engine = "pipeline engine (GPTModelPipe)" if p.pp > 1 else "plain engine (GPTModel)"
     lines.append(f"  stages ({engine}, partition {partition_method if p.pp > 1 else 'n/a'}):")
     for stage, contents in enumerate(stage_contents(m, parts)):

@@ -21,6 +21,7 @@ from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, 
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import RunConfig
 from megatron.core.parallel_state import ParallelState
+from megatron.core.ulysses import sequence_slices
 from megatron.data.num_samples import train_valid_test_num_samples
 from megatron.errors import ConfigError
 from megatron.preflight import preflight
@@ -83,7 +84,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
                                  args.distributed_timeout_minutes, args.master_addr, args.master_port,
-                                 args.rendezvous_timeout_secs)
+                                 args.rendezvous_timeout_secs, sp=run.parallel.sp)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
@@ -136,7 +137,9 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     train_ds, valid_ds, test_ds = (*providers.datasets(args, run, num_samples), None)[:3]
     mbs, dp = t.micro_batch_size, pstate.dp
     loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
-    train_data = microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading)
+    # SP peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence.
+    train_data = sequence_slices(microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading),
+                                 pstate.sp)
     seq = run.model.seq_length
     scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)
@@ -151,7 +154,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     timers = Timers(opts.timing_level, opts.timing_option, opts.barrier_l1)
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
                             resume.iteration, logger,
-                            lambda ds, start: microbatches(ds, start, mbs, dp.rank, dp.size, **loading))
+                            lambda ds, start: sequence_slices(microbatches(ds, start, mbs, dp.rank, dp.size, **loading),
+                                                              pstate.sp))
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core import comm
+from megatron.core.ulysses import sequence_mean
 
 
 class _NoTimers:
@@ -74,6 +75,10 @@ def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     tokens = batch["text"]
     losses = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())  # [b, s]
     mask = batch.get("loss_mask")
+    module = getattr(model, "module", model)
+    sp = getattr(module, "sp", None)
+    if sp is not None and sp.size > 1:  # DeepSpeed-Ulysses: this rank's [b, s/SP] slice; mean over all of s
+        return sequence_mean(losses, mask, sp, getattr(module, "sequence_grad_scale", 1.0))
     if mask is None:
         return losses.float().mean()
     mask = mask.float()
