@@ -242,6 +242,21 @@ def read(found: Found, trust: bool, with_optimizer: bool = True) -> Converted:
     return _read_megatron(found, trust)
 
 
+def header(found: Found, trust: bool) -> tuple[dict, int, int]:
+    """(model fields, padded vocab size, TP size) from the first model file alone (the preflight check)."""
+    if found.kind == "deepspeed":
+        names = sorted(f for f in os.listdir(found.path) if _MP_FILE.match(f))
+        if not names:
+            raise CheckpointError(f"checkpoint {found.path} has no mp_rank_XX_model_states.pt: the run's state is "
+                                  "missing")
+        path = os.path.join(found.path, names[0])
+    else:
+        path = os.path.join(found.path, sorted(d for d in os.listdir(found.path) if _ITER_RANK.match(d))[0],
+                            "model_optim_rng.pt")
+    a = _args_of(load_file(path, trust), path)
+    return model_fields(a), int(a["padded_vocab_size"]), int(a.get("tensor_model_parallel_size", 1))
+
+
 def _args_of(state: dict, path: str) -> dict:
     args = state.get("args")
     if args is None:
