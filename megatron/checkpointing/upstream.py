@@ -244,6 +244,12 @@ def read(found: Found, trust: bool, with_optimizer: bool = True) -> Converted:
 
 def header(found: Found, trust: bool) -> tuple[dict, int, int]:
     """(model fields, padded vocab size, TP size) from the first model file alone (the preflight check)."""
+    a = first_args(found, trust)
+    return model_fields(a), int(a["padded_vocab_size"]), int(a.get("tensor_model_parallel_size", 1))
+
+
+def first_args(found: Found, trust: bool) -> dict:
+    """Upstream's parsed flags (``args``) as a dict, from the first model file."""
     if found.kind == "deepspeed":
         names = sorted(f for f in os.listdir(found.path) if _MP_FILE.match(f))
         if not names:
@@ -253,8 +259,7 @@ def header(found: Found, trust: bool) -> tuple[dict, int, int]:
     else:
         path = os.path.join(found.path, sorted(d for d in os.listdir(found.path) if _ITER_RANK.match(d))[0],
                             "model_optim_rng.pt")
-    a = _args_of(load_file(path, trust), path)
-    return model_fields(a), int(a["padded_vocab_size"]), int(a.get("tensor_model_parallel_size", 1))
+    return _args_of(load_file(path, trust), path)
 
 
 def _args_of(state: dict, path: str) -> dict:

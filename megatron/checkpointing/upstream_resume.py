@@ -69,7 +69,12 @@ def load_upstream(model, run, pstate, settings):
         return None
     conv = upstream.read(found, settings.trust_checkpoint, with_optimizer=optim)
     _check(conv.model, conv.padded_vocab_size, conv.layout["tp"], run, settings.load)
-    weights = upstream.vocab_rows(conv, run.model.vocab_size, run.model.padded_vocab_size(pstate.tp.size))
+    padded_here = run.model.padded_vocab_size(pstate.tp.size)
+    weights = upstream.vocab_rows(conv, run.model.vocab_size, padded_here)
+    if padded_here != conv.padded_vocab_size and pstate.global_rank == 0:
+        print(f"> WARNING: this layout pads the vocabulary to {padded_here} rows, upstream to "
+              f"{conv.padded_vocab_size}: padding rows enter the softmax, so the loss shifts slightly; keep "
+              "--make-vocab-size-divisible-by x TP equal to resume upstream's loss exactly", flush=True)
     load_into_model(model, weights, run.model.num_layers, pstate.tp.size, pstate.tp.rank, found.path)
     if pstate.global_rank == 0:
         print(f"> upstream {found.kind} checkpoint {found.path}: {upstream.describe(conv)}"
