@@ -24,7 +24,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: ([0-9.E+-]+)")
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
+                   r".*?lm loss: ([0-9.E+-]+)")
 
 
 def _data(work: str, vocab: int, py: str) -> tuple[str, list[str]]:
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         o, u = statistics.median(times[("ours", tp)]), statistics.median(times[("upstream", tp)])
         lines.append(f"{tp} | {o:.1f} | {u:.1f} | {o / u:.3f} | {final_loss[('ours', tp)]:.4f} / "
                      f"{final_loss[('upstream', tp)]:.4f}")
-    report = "\n".join(lines)
+    report = "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])  # two paragraphs, then the table
     print(report)
     if a.results:
         with open(a.results, "a") as f:

@@ -24,7 +24,6 @@ classes replaced by inert placeholders (never resolved against this package, who
 from __future__ import annotations
 
 import glob
-import json
 import os
 import pickle
 import re
@@ -71,18 +70,20 @@ class Converted:
 def find(load: str) -> Found | None:
     """The upstream checkpoint ``--load`` names, or None when the directory is not one (ours, empty, unknown)."""
     tag = _read(os.path.join(load, "latest"))
-    if tag is not None and os.path.isfile(os.path.join(load, tag, "megatron_meta.json")):
-        return None  # ours (we also write the Megatron marker now)
+    if tag is not None:  # DeepSpeed's marker: upstream's global_stepN/ has no megatron_meta.json, ours has
+        if "/" not in tag and _is_ds_dir(os.path.join(load, tag)):
+            m = re.search(r"(\d+)$", tag)
+            return Found("deepspeed", os.path.join(load, tag), int(m.group(1)) if m else 0)
+        return None  # ours, or a broken marker that checkpoint.py names
     it = _read(os.path.join(load, TRACKER))
-    if tag is not None and "/" not in tag and _is_ds_dir(os.path.join(load, tag)):
-        m = re.search(r"(\d+)$", tag)
-        return Found("deepspeed", os.path.join(load, tag), int(m.group(1)) if m else 0)
     if it is None:
         return None
     if it != "release" and not it.isdigit():
         raise CheckpointError(f"checkpoint marker {os.path.join(load, TRACKER)} holds {it[:40]!r}, not an iteration "
                               "number: write the iteration to resume (e.g. 1000) into it")
     ds = os.path.join(load, f"global_step{it}")
+    if os.path.isfile(os.path.join(ds, "megatron_meta.json")):
+        return None  # ours without its 'latest': checkpoint.py / preflight name that
     if _is_ds_dir(ds):
         return Found("deepspeed", ds, int(it) if it.isdigit() else 0)
     plain = os.path.join(load, "release" if it == "release" else f"iter_{int(it):07d}")
@@ -181,7 +182,9 @@ def our_name(name: str, layer_offset: int = 0) -> str | None:
     m = _LAYER_NAME.match(name)
     if m:
         rest = m.group(2)
-        return None if "rotary" in rest or rest.endswith("inv_freq") else f"layers.{int(m.group(1)) + layer_offset}.{rest}"
+        if "rotary" in rest or rest.endswith("inv_freq"):
+            return None
+        return f"layers.{int(m.group(1)) + layer_offset}.{rest}"
     return None
 
 
@@ -265,12 +268,27 @@ def first_args(found: Found, trust: bool) -> dict:
 def _args_of(state: dict, path: str) -> dict:
     args = state.get("args")
     if args is None:
-        raise CheckpointError(f"checkpoint file {path} holds no 'args': not written by Megatron's save_checkpoint")
+        raise CheckpointError(f"checkpoint file {path} holds no 'args': neither upstream Megatron's (its "
+                              "save_checkpoint stores them) nor a complete checkpoint of ours (megatron_meta.json is "
+                              "missing beside it); point the marker at a complete checkpoint")
     return vars(args) if not isinstance(args, dict) else args
+
+
+# Upstream variants this trainer does not implement: resuming them here would silently compute something else.
+_UNSUPPORTED = {"squared_relu": "--squared-relu", "apply_residual_connection_post_layernorm":
+                "--apply-residual-connection-post-layernorm", "num_experts": "--num-experts (MoE)",
+                "rotary_percent": "--rotary-percent below 1"}
 
 
 def model_fields(a: dict) -> dict:
     """Upstream's flags under our ModelConfig names (only those that decide shapes and arithmetic)."""
+    for key, flag in _UNSUPPORTED.items():
+        v = a.get(key)
+        bad = (v not in (None, 1.0)) if key == "rotary_percent" else \
+            any(n > 1 for n in (v if isinstance(v, (list, tuple)) else [v or 1])) if key == "num_experts" else bool(v)
+        if bad:
+            raise CheckpointError(f"upstream checkpoint trained with {flag} ({v}): this trainer has no such model; "
+                                  "it cannot be resumed or converted here")
     rope = a.get("position_embedding_type") == "rope" or a.get("use_rotary_position_embeddings", False)
     return {
         "num_layers": a["num_layers"], "hidden_size": a["hidden_size"],
@@ -282,6 +300,7 @@ def model_fields(a: dict) -> dict:
         "openai_gelu": _tanh_gelu(a), "position_embedding_type": "rope" if rope else
         "learned_absolute", "untie_embeddings_and_output_weights": bool(a.get("untie_embeddings_and_output_weights")),
         "add_bias_linear": bool(a.get("add_bias_linear", True)),
+        "layernorm_epsilon": float(a.get("layernorm_epsilon", 1e-5)),
     }
 
 
@@ -455,7 +474,8 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
     gbs = int(a.get("global_batch_size") or 1)
     return Converted(
         weights=weights, padded_vocab_size=int(a["padded_vocab_size"]), model=fields,
-        iteration=int(first.get("iteration", found.iteration)), consumed_samples=int(a.get("consumed_train_samples", 0)),
+        iteration=int(first.get("iteration", found.iteration)),
+        consumed_samples=int(a.get("consumed_train_samples", 0)),
         lr_num_steps=int(sched.get("num_steps", 0)) // gbs if sched else int(first.get("iteration", 0)),
         layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)), "zero_stage": 0},
         optimizer_note="a plain Megatron optimizer keeps no parameter names: Adam restarts",
@@ -473,43 +493,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- into our run
-def vocab_rows(conv: Converted, vocab_size: int, padded_here: int) -> dict[str, torch.Tensor]:
-    """The weights with vocabulary rows fitted to this run: upstream's padded rows kept where the padded sizes
-    agree (they take part in the softmax, so the loss is upstream's to the last digit), else cut to the vocab
-    (then zero-padded by full_state.shard_like)."""
-    keep = conv.padded_vocab_size if padded_here == conv.padded_vocab_size else vocab_size
-    return {k: (v[:keep] if k in VOCAB_PARAMS else v) for k, v in conv.weights.items()}
-
-
-def rng_for(conv: Converted, mp_index: int, dp_rank: int, dp_size: int) -> dict | None:
-    """Our RNG-state dict (state.set_rng_state's form) from upstream's list for this model-parallel rank and DP
-    rank; None when the layout changed or the checkpoint carries none."""
-    if mp_index >= len(conv.rng_states):
-        return None
-    states = conv.rng_states[mp_index]
-    if not states:
-        return None
-    s = states[dp_rank] if len(states) == dp_size else states[0] if len(states) == 1 else None
-    if s is None:
-        return None
-    kind, keys, pos, has_gauss, gauss = s["np_rng_state"]
-    return {"python": s["random_rng_state"],
-            "numpy": {"kind": kind, "keys": torch.as_tensor(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
-            "torch": s["torch_rng_state"], "accelerator": s["cuda_rng_state"],
-            "tracker": dict(s.get("rng_tracker_states") or {})}
-
-
+# ----------------------------------------------------------------------------------------------- reporting
 def describe(conv: Converted) -> str:
     lay = conv.layout
     return (f"TP {lay['tp']}, PP {lay['pp']}, DP {lay['dp']}, ZeRO-{lay['zero_stage']}, iteration {conv.iteration}, "
             f"consumed samples {conv.consumed_samples}")
-
-
-def full_state_meta(conv: Converted, vocab_size: int, source: str) -> dict:
-    """full_state.json for tools/convert_megatron_checkpoint.py (full_state.py's format)."""
-    return {"model": {**conv.model, "vocab_size": vocab_size}, "iteration": conv.iteration,
-            "consumed_samples": conv.consumed_samples, "lr_num_steps": conv.lr_num_steps,
-            "optimizer_step": conv.optimizer_step, "source": source, "format": "megatron-frontier/full-state-v1",
-            "converted_from": json.loads(json.dumps(conv.layout))}

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.checkpointing import upstream
-from megatron.checkpointing.full_state import load_into_model
+from megatron.checkpointing.full_state import VOCAB_PARAMS, load_into_model
 from megatron.checkpointing.state import check_model_shape
 from megatron.errors import CheckpointError
 
@@ -51,6 +52,9 @@ def check_upstream(settings, run) -> bool:
 
 def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
     check_model_shape(fields, run, where)
+    if fields["layernorm_epsilon"] != run.model.layernorm_epsilon:
+        raise CheckpointError(f"--load {where}: upstream trained with --layernorm-epsilon {fields['layernorm_epsilon']}"
+                              f", this run has {run.model.layernorm_epsilon}: pass the checkpoint's value")
     if run.model.padded_vocab_size(tp) != padded_vocab:
         raise CheckpointError(f"--load {where}: upstream padded its vocabulary to {padded_vocab} rows at TP {tp}; "
                               f"this run's vocabulary ({run.model.vocab_size} tokens, --make-vocab-size-divisible-by "
@@ -70,7 +74,7 @@ def load_upstream(model, run, pstate, settings):
     conv = upstream.read(found, settings.trust_checkpoint, with_optimizer=optim)
     _check(conv.model, conv.padded_vocab_size, conv.layout["tp"], run, settings.load)
     padded_here = run.model.padded_vocab_size(pstate.tp.size)
-    weights = upstream.vocab_rows(conv, run.model.vocab_size, padded_here)
+    weights = vocab_rows(conv, run.model.vocab_size, padded_here)
     if padded_here != conv.padded_vocab_size and pstate.global_rank == 0:
         print(f"> WARNING: this layout pads the vocabulary to {padded_here} rows, upstream to "
               f"{conv.padded_vocab_size}: padding rows enter the softmax, so the loss shifts slightly; keep "
@@ -91,7 +95,7 @@ def _rng(conv: upstream.Converted, pstate) -> dict | None:
     lay = conv.layout
     if (lay["tp"], lay["pp"], lay["dp"]) != (pstate.tp.size, pstate.pp.size, pstate.dp.size):
         return None
-    rng = upstream.rng_for(conv, pstate.pp.rank * pstate.tp.size + pstate.tp.rank, pstate.dp.rank, pstate.dp.size)
+    rng = rng_for(conv, pstate.pp.rank * pstate.tp.size + pstate.tp.rank, pstate.dp.rank, pstate.dp.size)
     if rng is None:
         return None
     here = get_accelerator().get_rng_state()
@@ -101,3 +105,30 @@ def _rng(conv: upstream.Converted, pstate) -> dict | None:
     if tracker and any(v.numel() != here.numel() for v in tracker.values()):
         return None
     return rng
+
+
+def vocab_rows(conv: upstream.Converted, vocab_size: int, padded_here: int) -> dict[str, torch.Tensor]:
+    """The weights with vocabulary rows fitted to this run: upstream's padded rows kept where the padded sizes
+    agree (they take part in the softmax, so the loss is upstream's to the last digit), else cut to the vocab
+    (then zero-padded by full_state.shard_like)."""
+    keep = conv.padded_vocab_size if padded_here == conv.padded_vocab_size else vocab_size
+    return {k: (v[:keep] if k in VOCAB_PARAMS else v) for k, v in conv.weights.items()}
+
+
+def rng_for(conv: upstream.Converted, mp_index: int, dp_rank: int, dp_size: int) -> dict | None:
+    """Our RNG-state dict (state.set_rng_state's form) from upstream's list for this model-parallel rank and DP
+    rank; None when the layout changed or the checkpoint carries none."""
+    if mp_index >= len(conv.rng_states):
+        return None
+    states = conv.rng_states[mp_index]
+    if not states:
+        return None
+    s = states[dp_rank] if len(states) == dp_size else states[0] if len(states) == 1 else None
+    if s is None:
+        return None
+    kind, keys, pos, has_gauss, gauss = s["np_rng_state"]
+    return {"python": s["random_rng_state"],
+            "numpy": {"kind": kind, "keys": torch.as_tensor(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "torch": s["torch_rng_state"], "accelerator": s["cuda_rng_state"],
+            "tracker": dict(s.get("rng_tracker_states") or {})}

@@ -40,7 +40,8 @@ def _flags(data_cache: str) -> list[str]:
             "--zero-stage", "1", "--distributed-backend", "gloo", "--data-cache-path", data_cache]
 
 
-LAYOUT_FLAGS = {"tp2_zero1": ["--tensor-model-parallel-size", "2"], "pp2_zero1": ["--pipeline-model-parallel-size", "2"],
+LAYOUT_FLAGS = {"tp2_zero1": ["--tensor-model-parallel-size", "2"],
+                "pp2_zero1": ["--pipeline-model-parallel-size", "2"],
                 "megatron_tp2": ["--tensor-model-parallel-size", "2", "--clip-grad", "0"]}
 
 
@@ -86,11 +87,12 @@ def test_loaded_weights_give_upstreams_loss_on_upstreams_batch(layout):
     micro-batches exactly as upstream logged: name mapping, QKV [Q|K|V] -> per-group order, TP/PP merge."""
     from megatron.checkpointing import upstream
     from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.upstream_resume import vocab_rows
 
     conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
     assert conv.iteration == 3 and conv.consumed_samples == 12 and conv.lr_num_steps == 3
     model, cfg = _model(conv.padded_vocab_size)  # one TP rank pads to exactly upstream's row count
-    load_into_model(model, upstream.vocab_rows(conv, 320, cfg.padded_vocab_size(1)), 2, 1, 0, layout)
+    load_into_model(model, vocab_rows(conv, 320, cfg.padded_vocab_size(1)), 2, 1, 0, layout)
     rec = _recorded(layout)
     assert _loss_on(model, rec["resumed_micro_batches"]["4"]) == pytest.approx(rec["resumed_run"]["4"]["lm_loss"],
                                                                                 abs=1e-5)
