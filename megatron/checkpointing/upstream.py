@@ -390,10 +390,39 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
         layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)),
                 "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0},
         rng_states=[list(states[r].get("rng_state") or []) for r, _ in mp_files])
-    if with_optimizer:
+    if with_optimizer and not layer_files and not glob.glob(os.path.join(path, "*_optim_states.pt")):
+        out.moments, out.optimizer_step, out.optimizer_note = _zero0_moments(states, tp, fields, path)
+    elif with_optimizer:
         shapes = {r: s.get("param_shapes") or [] for r, s in states.items()}
         out.moments, out.optimizer_step, out.optimizer_note = _zero_moments(path, tp, roles, fields, shapes)
     return out
+
+
+def _zero0_moments(states: dict, tp: int, fields: dict, path: str):
+    """DeepSpeed ZeRO-0 without pipeline: torch Adam's state in each model file, indexed in upstream's param-group
+    order (its weight-decay group: parameters with 2+ dims in module order, then the 1-D ones), checked by shape."""
+    per_tp: list[dict] = [{} for _ in range(tp)]
+    step = 0
+    for rank, state in states.items():
+        opt, module = state.get("optimizer") or {}, _flatten(state.get("module") or {})
+        if not opt.get("state"):
+            return None, 0, "no Adam state in the ZeRO-0 model files: Adam restarts"
+        tensors = {k: v for k, v in module.items() if torch.is_tensor(v)}
+        order = [k for k, v in tensors.items() if v.dim() > 1] + [k for k, v in tensors.items() if v.dim() == 1]
+        if len(order) != len(opt["state"]):
+            return None, 0, f"{path}: {len(opt['state'])} Adam states for {len(order)} parameters: Adam restarts"
+        for i, name in enumerate(order):
+            st = opt["state"][i]
+            if st["exp_avg"].shape != tensors[name].shape:
+                return None, 0, f"{path}: Adam state {i} does not fit {name} (another param-group order): Adam restarts"
+            step = int(st["step"])
+            if (ours := our_name(name)) is not None:
+                per_tp[rank][ours] = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
+    moments: dict = {}
+    for k in ("exp_avg", "exp_avg_sq"):
+        for name, t in _merge([{n: m[k] for n, m in mine.items()} for mine in per_tp], fields).items():
+            moments.setdefault(name, {})[k] = t
+    return moments, step, "Adam moments loaded"
 
 
 def _zero_moments(path: str, tp: int, roles: dict[int, str], fields: dict, param_shapes: dict[int, list]):
