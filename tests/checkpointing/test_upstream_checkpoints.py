@@ -100,13 +100,22 @@ def test_loaded_weights_give_upstreams_loss_on_upstreams_batch(layout):
         assert conv.optimizer_step == 3 and set(conv.moments) == set(conv.weights)
 
 
-def test_pickled_upstream_files_need_trust():
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_pickled_upstream_files_need_trust(tmp_path):
     from megatron.checkpointing import upstream
     from megatron.errors import CheckpointError
 
     for layout in ("tp2_zero1", "megatron_tp2"):
         with pytest.raises(CheckpointError, match="--trust-checkpoint"):
             upstream.read(upstream.find(os.path.join(FIX, layout)), trust=False)
+    evil = str(tmp_path / "evil.pt")  # trust unpickles upstream's objects, not anything
+    torch.save({"args": _Evil()}, evil)
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        upstream.load_file(evil, trust=True)
 
 
 def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
