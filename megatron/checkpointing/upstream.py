@@ -16,6 +16,14 @@ position and RNG states. Upstream's fused QKV (this commit's ``ParallelAttention
 all local queries, then all keys, then all values ``[Q | K | V]``; ours is per KV group ``[q_1 .. q_g, k, v]``:
 ``qkv_to_ours`` permutes each TP rank's rows (weights and Adam moments) before the TP merge.
 
+Names (upstream -> ours; pipeline files drop the ``language_model.`` / ``encoder.layers.N.`` prefixes and number
+layers by file): ``language_model.embedding.word_embeddings.weight`` -> ``embedding.word_embeddings.weight``,
+``...position_embeddings.weight`` -> ``embedding.position_embeddings``, ``language_model.encoder.layers.N.X`` (or
+``transformer.layers``) -> ``layers.N.X`` for ``input_layernorm``, ``self_attention.query_key_value``,
+``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``, ``mlp.dense_4h_to_h``;
+``encoder.final_layernorm`` -> ``final_layernorm``; ``language_model.output_layer.weight`` ->
+``output_layer.linear.weight``.
+
 Upstream's model files pickle Python objects (an ``argparse.Namespace``, its enums, numpy RNG state), which
 ``weights_only=True`` refuses: they are unpickled only with ``--trust-checkpoint``, and then with ``megatron.*``
 classes replaced by inert placeholders (never resolved against this package, whose names overlap upstream's).
@@ -221,7 +229,7 @@ def _pipe_roles(files: list[str]) -> dict[int, str]:
     return roles
 
 
-def _pipe_name(name: str, roles: dict[int, str]) -> str | None:
+def pipe_name(name: str, roles: dict[int, str]) -> str | None:
     """Our name for a parameter of upstream's GPTModelPipe, file-local (``word_embeddings.weight`` in layer 1) or
     engine-level (``tied_modules.embed.word_embeddings.weight``, ``2.self_attention.dense.weight``)."""
     if name.startswith("tied_modules.embed."):
@@ -346,7 +354,7 @@ def _tanh_gelu(a: dict) -> bool:
     return bool(plain_gelu and a.get("bias_gelu_fusion", True) and a.get("add_bias_linear", True))
 
 
-def _merge(per_tp: list[dict[str, torch.Tensor]], fields: dict) -> dict[str, torch.Tensor]:
+def merge_ranks(per_tp: list[dict[str, torch.Tensor]], fields: dict) -> dict[str, torch.Tensor]:
     """Our full tensors from upstream's per-TP-rank ones: QKV rows permuted on each rank, then merged over TP."""
     full = {}
     local = _local_heads(fields, len(per_tp))
@@ -377,7 +385,7 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             m = _LAYER_FILE.match(os.path.basename(f))
             idx, rank = int(m.group(1)), int(m.group(2))
             for k, v in safe_load(f).items():
-                name = _pipe_name(f"{idx}.{k}", roles)
+                name = pipe_name(f"{idx}.{k}", roles)
                 if name is not None and torch.is_tensor(v):
                     per_tp[rank][name] = v
     else:
@@ -389,9 +397,9 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             if not isinstance(module, dict):
                 raise CheckpointError(f"checkpoint file {os.path.join(path, fname)} holds no 'module' weights")
             # state_dict_for_save_checkpoint nests {language_model: {embedding: .., encoder: ..}}: flatten it
-            per_tp[rank] = {n: v for k, v in _flatten(module).items()
+            per_tp[rank] = {n: v for k, v in flatten(module).items()
                             if (n := our_name(k)) is not None and torch.is_tensor(v)}
-    weights = _merge(per_tp, fields)
+    weights = merge_ranks(per_tp, fields)
     sched = first.get("lr_scheduler") or {}
     gbs = int(a["global_batch_size"])
     out = Converted(
@@ -402,84 +410,14 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
         layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)),
                 "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0},
         rng_states=[list(states[r].get("rng_state") or []) for r, _ in mp_files])
+    from megatron.checkpointing.upstream_moments import zero0_moments, zero12_moments
+
     if with_optimizer and not layer_files and not glob.glob(os.path.join(path, "*_optim_states.pt")):
-        out.moments, out.optimizer_step, out.optimizer_note = _zero0_moments(states, tp, fields, path)
+        out.moments, out.optimizer_step, out.optimizer_note = zero0_moments(states, tp, fields, path)
     elif with_optimizer:
         shapes = {r: s.get("param_shapes") or [] for r, s in states.items()}
-        out.moments, out.optimizer_step, out.optimizer_note = _zero_moments(path, tp, roles, fields, shapes)
+        out.moments, out.optimizer_step, out.optimizer_note = zero12_moments(path, tp, roles, fields, shapes)
     return out
-
-
-def _zero0_moments(states: dict, tp: int, fields: dict, path: str):
-    """DeepSpeed ZeRO-0 without pipeline: torch Adam's state in each model file, indexed in upstream's param-group
-    order (its weight-decay group: parameters with 2+ dims in module order, then the 1-D ones), checked by shape."""
-    per_tp: list[dict] = [{} for _ in range(tp)]
-    step = 0
-    for rank, state in states.items():
-        opt, module = state.get("optimizer") or {}, _flatten(state.get("module") or {})
-        if not opt.get("state"):
-            return None, 0, "no Adam state in the ZeRO-0 model files: Adam restarts"
-        tensors = {k: v for k, v in module.items() if torch.is_tensor(v)}
-        order = [k for k, v in tensors.items() if v.dim() > 1] + [k for k, v in tensors.items() if v.dim() == 1]
-        if len(order) != len(opt["state"]):
-            return None, 0, f"{path}: {len(opt['state'])} Adam states for {len(order)} parameters: Adam restarts"
-        for i, name in enumerate(order):
-            st = opt["state"][i]
-            if st["exp_avg"].shape != tensors[name].shape:
-                return None, 0, f"{path}: Adam state {i} does not fit {name} (another param-group order): Adam restarts"
-            step = int(st["step"])
-            if (ours := our_name(name)) is not None:
-                per_tp[rank][ours] = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
-    moments: dict = {}
-    for k in ("exp_avg", "exp_avg_sq"):
-        for name, t in _merge([{n: m[k] for n, m in mine.items()} for mine in per_tp], fields).items():
-            moments.setdefault(name, {})[k] = t
-    return moments, step, "Adam moments loaded"
-
-
-def _zero_moments(path: str, tp: int, roles: dict[int, str], fields: dict, param_shapes: dict[int, list]):
-    """Adam moments from DeepSpeed ZeRO-1/2 optimizer files (each DP rank's flat fp32 partition, mapped to
-    parameters by ``param_slice_mappings``), merged over DP, PP and TP."""
-    files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
-    if not files:
-        return None, 0, "no ZeRO optimizer files (ZeRO-0 under upstream keeps no per-parameter map): Adam restarts"
-    pieces: dict[tuple[int, str], dict[int, dict[int, dict]]] = {}
-    shapes: dict[tuple[int, str], torch.Size] = {}
-    step, pp_files = 0, bool(roles)
-    for f in files:
-        m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", f)
-        dp, mp = int(m.group(1)), int(m.group(2))
-        t = mp % tp
-        osd = safe_load(f)["optimizer_state_dict"]
-        mappings = osd.get("param_slice_mappings")
-        if mappings is None:
-            return None, 0, f"{f} has no param_slice_mappings (ZeRO-3 or an older DeepSpeed): Adam restarts"
-        base = osd["base_optimizer_state"]
-        states = [base["state"].get(i, {}) for i in range(len(mappings))] if isinstance(base, dict) else base
-        for group, state in zip(mappings, states, strict=True):
-            if "exp_avg" not in state:
-                return None, 0, "the optimizer had not stepped yet"
-            step = int(state["step"])
-            for name, addr in group.items():
-                ours = _pipe_name(name, roles) if pp_files else our_name(name)
-                if ours is not None:
-                    pieces.setdefault((t, ours), {}).setdefault(mp, {})[dp] = {
-                        k: state[k][addr.start:addr.start + addr.numel] for k in ("exp_avg", "exp_avg_sq")}
-        for group in param_shapes.get(mp, []):
-            for name, shape in group.items():
-                ours = _pipe_name(name, roles) if pp_files else our_name(name)
-                if ours is not None:
-                    shapes[(t, ours)] = torch.Size(shape)
-    per_tp: list[dict] = [{} for _ in range(tp)]
-    for (t, name), by_mp in pieces.items():
-        by_dp = by_mp[min(by_mp)]  # the tied embedding sits on the first and last stage with equal moments
-        per_tp[t][name] = {k: torch.cat([by_dp[d][k] for d in sorted(by_dp)]).view(shapes[(t, name)])
-                           for k in ("exp_avg", "exp_avg_sq")}
-    moments = {}
-    for k in ("exp_avg", "exp_avg_sq"):
-        for name, t in _merge([{n: m[k] for n, m in mine.items()} for mine in per_tp], fields).items():
-            moments.setdefault(name, {})[k] = t
-    return moments, step, "Adam moments loaded"
 
 
 def _read_megatron(found: Found, trust: bool) -> Converted:
@@ -506,10 +444,10 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
         if not isinstance(model, dict):
             raise CheckpointError(f"checkpoint file {ranks[(t, stage)]} holds no 'model' (a virtual-pipeline "
                                   "checkpoint? convert it with the same --virtual-pipeline layout first)")
-        for k, v in _flatten(model).items():
+        for k, v in flatten(model).items():
             if (n := our_name(k, stage * per_stage_layers)) is not None and torch.is_tensor(v):
                 per_tp[t][n] = v
-    weights = _merge(per_tp, fields)
+    weights = merge_ranks(per_tp, fields)
     first = states[min(ranks)]
     sched = first.get("opt_param_scheduler") or first.get("lr_scheduler") or {}
     gbs = int(a.get("global_batch_size") or 1)
@@ -523,12 +461,12 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
         rng_states=[list(s.get("rng_state") or []) for _, s in sorted(states.items())])
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         name = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, name + "."))
+            out.update(flatten(v, name + "."))
         else:
             out[name] = v
     return out
