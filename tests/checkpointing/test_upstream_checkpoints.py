@@ -271,3 +271,15 @@ def test_save_writes_megatron_tracker(tmp_path):
                  env={"MASTER_PORT": str(free_port())})  # one process still makes a gloo group: a port of its own
     assert (save / "latest").read_text() == "global_step2"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_qkv_rows_reordered_per_kv_group():
+    """Upstream's per-rank [Q | K | V] rows -> ours [q_1 .. q_g, k, v] per KV group, by hand (head dim 1)."""
+    from megatron.checkpointing.upstream import qkv_to_ours
+
+    # GQA: 4 query heads, 2 KV heads. Rows named by value: q0..q3 = 0..3, k0, k1 = 10, 11, v0, v1 = 20, 21.
+    rows = torch.tensor([0.0, 1, 2, 3, 10, 11, 20, 21])
+    assert qkv_to_ours(rows, 4, 2, 1).tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    # MHA with a [rows, hidden] weight: per head q, k, v.
+    w = torch.tensor([0.0, 1, 10, 11, 20, 21]).repeat_interleave(2).view(6, 2)
+    assert qkv_to_ours(w, 2, 2, 1)[:, 0].tolist() == [0, 10, 20, 1, 11, 21]
