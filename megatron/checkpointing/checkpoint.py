@@ -272,7 +272,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict({"num_steps": full.lr_num_steps})
             apply_schedule_lr(engine)
-        optim = "optimizer and RNG start fresh"
+        optim = "optimizer starts fresh; RNG restored" if full.rng else "optimizer and RNG start fresh"
         got = None if settings.finetune or settings.no_load_optim else full.moments or read_full_moments(full.path)
         if got is not None:  # a resharded checkpoint's Adam moments (tools/reshard_checkpoint.py)
             from megatron.checkpointing.moments import load_moments
