@@ -4,8 +4,8 @@ directory (model.safetensors + full_state.json) that ``pretrain_gpt.py --load`` 
 
 Carried over: weights (vocabulary rows cut to the tokenizer's size), Adam moments where the files map them to
 parameters (DeepSpeed ZeRO-1/2; ZeRO-0 without pipeline), iteration, consumed samples, LR position. Not carried:
-RNG states (they belong to the writer's layout) and a plain Megatron optimizer (it keeps no parameter names). The files are pickles with
-Python objects: only convert checkpoints you trust (--trust-checkpoint).
+RNG states (they belong to the writer's layout) and a plain Megatron optimizer (it keeps no parameter names).
+The files are pickles with Python objects: only convert checkpoints you trust (--trust-checkpoint).
 
     python tools/convert_megatron_checkpoint.py --load CHECKPOINTS --save FULL_STATE_DIR --trust-checkpoint \
         [--iteration N] [--vocab-size V]
