@@ -229,6 +229,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="ZeRO-0/1/2: save weights without optimizer state")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="--load of an upstream Megatron(-DeepSpeed) checkpoint: unpickle its Python objects (args, "
+                        "RNG); only for checkpoints from a trusted place")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: a directory without a checkpoint is an error instead of a fresh start")
     g.add_argument("--finetune", action="store_true",

@@ -49,6 +49,7 @@ from megatron.errors import CheckpointError, ConfigError
 
 META = "megatron_meta.json"
 LATEST = "latest"
+TRACKER = "latest_checkpointed_iteration.txt"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -65,11 +66,14 @@ class CheckpointSettings:
     """--exit-on-missing-checkpoint: a --load without a checkpoint is an error, not a fresh start."""
     keep_last: int | None = None
     """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
+    trust_checkpoint: bool = False
+    """--trust-checkpoint: unpickle an upstream Megatron(-DeepSpeed) checkpoint's Python objects (upstream.py)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
         s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
                 args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints)
+        s.trust_checkpoint = bool(getattr(args, "trust_checkpoint", False))
         if s.keep_last is not None and s.keep_last < 1:
             raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
         if s.save_interval is not None and s.save_interval < 1:
@@ -88,6 +92,9 @@ class Resume:
     rng: dict | None = None
     """Saved RNG states of this rank; applied by ``restore_rng`` right before the first iteration, because
     set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
+
+    moments: tuple | None = None
+    """(Adam moments by name, step) read along with the weights (an upstream checkpoint), for load_checkpoint."""
 
     def restore_rng(self) -> None:
         if self.rng is not None:
@@ -143,6 +150,8 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
         os.replace(tmp, final)
         safe_io.fsync_dir(save_dir)
         safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
+        # Megatron's marker too (its iteration, as upstream writes it), which upstream's resume loops read
+        safe_io.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
         _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
     comm.barrier()  # nobody proceeds (or exits) before the checkpoint is committed
     return final
@@ -242,6 +251,10 @@ def validate_files(ckpt_dir: str) -> None:
 def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: CheckpointSettings) -> Resume | None:
     """Before deepspeed.initialize: when ``--load`` names a full-state directory (any layout; see
     full_state.py), copy this rank's shards into ``model``. Returns None for a DeepSpeed checkpoint."""
+    if settings.load and os.path.isdir(settings.load) and not is_full_state(settings.load):
+        from megatron.checkpointing.upstream_resume import load_upstream
+
+        return load_upstream(model, run, pstate, settings)  # None unless an upstream Megatron(-DeepSpeed) layout
     if not settings.load or not is_full_state(settings.load):
         return None
     full, meta = read_full_state(settings.load)
@@ -262,13 +275,13 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(full.lr_state or {"num_steps": full.lr_num_steps})
             apply_schedule_lr(engine)
-        optim = "optimizer and RNG start fresh"
-        got = None if settings.finetune or settings.no_load_optim else read_full_moments(full.path)
+        optim = "optimizer starts fresh; RNG restored" if full.rng else "optimizer and RNG start fresh"
+        got = None if settings.finetune or settings.no_load_optim else full.moments or read_full_moments(full.path)
         if got is not None:  # a resharded checkpoint's Adam moments (tools/reshard_checkpoint.py)
             from megatron.checkpointing.moments import load_moments
 
             optim = load_moments(engine, got[0], got[1], pstate.tp.size, pstate.tp.rank, run.model.num_layers,
-                                 full.path) + "; RNG starts fresh"
+                                 full.path) + ("; RNG restored" if full.rng else "; RNG starts fresh")
         _say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
              f"{full.consumed_samples} ({optim})")
         return full

@@ -59,8 +59,14 @@ def check_load(settings, run: RunConfig) -> None:
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, load)
         return
+    from megatron.checkpointing.upstream_resume import check_upstream, unknown_layout_message
+
+    if check_upstream(settings, run):  # a Megatron-DeepSpeed global_stepN/ or Megatron iter_N/: checked there
+        return
     tag = read_latest(load)
     if tag is None:
+        if (msg := unknown_layout_message(load)) is not None:  # never a silent restart over a foreign checkpoint
+            raise CheckpointError(msg)
         if settings.exit_on_missing:
             raise CheckpointError(missing_checkpoint_message(load, True))
         warn_once(missing_checkpoint_message(load, False))  # a mistyped --load must not pass unnoticed

@@ -1,0 +1,134 @@
+"""``--load`` of an upstream Megatron-DeepSpeed ``global_stepN/`` or plain Megatron ``iter_NNNNNNN/`` checkpoint:
+its preflight check (before any process group) and the load into the model (before deepspeed.initialize).
+
+The checkpoint is read whole (upstream.py: every TP/PP file, merged into our names), then each rank copies its
+shard in, as for a full-state ``--load``; so any TP/PP/ZeRO layout here can resume it. Carried over: weights
+(upstream's padded vocabulary rows too when the padded sizes agree), Adam moments (ZeRO-1/2 files), iteration,
+consumed samples, LR position, and RNG states when this run's TP/PP/DP equal the writer's. Every rank reads every
+file: for large models convert once with tools/convert_megatron_checkpoint.py and ``--load`` the full state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from megatron.checkpointing import upstream
+from megatron.checkpointing.full_state import VOCAB_PARAMS, load_into_model
+from megatron.checkpointing.state import check_model_shape
+from megatron.errors import CheckpointError
+
+# Entries that only a checkpoint has: a --load directory holding one of these but no marker we know is refused
+# (it is someone's checkpoint in a layout we do not read), never silently restarted from iteration 1.
+_CHECKPOINT_DIR_PREFIXES = ("global_step", "iter_", "release", "mp_rank_")
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".distcp")
+
+
+def unknown_layout_message(load: str) -> str | None:
+    """One line for a ``--load`` directory that holds checkpoint-like entries in no layout we read, else None."""
+    for name in sorted(os.listdir(load)):
+        if name.startswith(".") or ".tmp-" in name or ".old-" in name:
+            continue  # our interrupted saves: never loaded, cleaned up by the next save
+        full = os.path.join(load, name)
+        if (os.path.isdir(full) and name.startswith(_CHECKPOINT_DIR_PREFIXES)) or name.endswith(_CHECKPOINT_SUFFIXES):
+            return (f"--load {load} holds {name} but no checkpoint layout this trainer reads (ours: 'latest' + "
+                    f"global_stepN/megatron_meta.json, or full_state.json; Megatron-DeepSpeed: global_stepN/ named by "
+                    f"'latest' or '{upstream.TRACKER}'; Megatron: '{upstream.TRACKER}' + iter_NNNNNNN/): point --load "
+                    "at one of these, or at an empty directory to start from scratch")
+    return None
+
+
+def check_upstream(settings, run) -> bool:
+    """Preflight: True when ``--load`` is an upstream checkpoint that this run can resume (shapes checked from its
+    first model file; its pickles need --trust-checkpoint), False when it is not one; raises in one line otherwise."""
+    found = upstream.find(settings.load)
+    if found is None:
+        return False
+    _check(*upstream.header(found, settings.trust_checkpoint), run, settings.load)
+    return True
+
+
+def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
+    check_model_shape(fields, run, where)
+    if fields["layernorm_epsilon"] != run.model.layernorm_epsilon:
+        raise CheckpointError(f"--load {where}: upstream trained with --layernorm-epsilon {fields['layernorm_epsilon']}"
+                              f", this run has {run.model.layernorm_epsilon}: pass the checkpoint's value")
+    if run.model.padded_vocab_size(tp) != padded_vocab:
+        raise CheckpointError(f"--load {where}: upstream padded its vocabulary to {padded_vocab} rows at TP {tp}; "
+                              f"this run's vocabulary ({run.model.vocab_size} tokens, --make-vocab-size-divisible-by "
+                              f"{run.model.make_vocab_size_divisible_by}) pads to {run.model.padded_vocab_size(tp)}: "
+                              "use the tokenizer the checkpoint was trained with")
+
+
+def load_upstream(model, run, pstate, settings):
+    """Before deepspeed.initialize: this rank's shard of an upstream checkpoint into ``model``; a Resume (with the
+    Adam moments for load_checkpoint), or None when ``--load`` is not an upstream checkpoint."""
+    from megatron.checkpointing.checkpoint import Resume
+
+    optim = not (settings.finetune or settings.no_load_optim)
+    found = upstream.find(settings.load)
+    if found is None:
+        return None
+    conv = upstream.read(found, settings.trust_checkpoint, with_optimizer=optim)
+    _check(conv.model, conv.padded_vocab_size, conv.layout["tp"], run, settings.load)
+    padded_here = run.model.padded_vocab_size(pstate.tp.size)
+    weights = vocab_rows(conv, run.model.vocab_size, padded_here)
+    if padded_here != conv.padded_vocab_size and pstate.global_rank == 0:
+        print(f"> WARNING: this layout pads the vocabulary to {padded_here} rows, upstream to "
+              f"{conv.padded_vocab_size}: padding rows enter the softmax, so the loss shifts slightly; keep "
+              "--make-vocab-size-divisible-by x TP equal to resume upstream's loss exactly", flush=True)
+    load_into_model(model, weights, run.model.num_layers, pstate.tp.size, pstate.tp.rank, found.path)
+    if pstate.global_rank == 0:
+        print(f"> upstream {found.kind} checkpoint {found.path}: {upstream.describe(conv)}"
+              f"{'' if not optim else '; ' + (conv.optimizer_note or 'Adam moments loaded')}", flush=True)
+    if settings.finetune:
+        return Resume(0, 0, found.path)
+    moments = (conv.moments, conv.optimizer_step) if optim and conv.moments else None
+    return Resume(conv.iteration, conv.consumed_samples, found.path, conv.lr_num_steps,
+                  rng=None if settings.no_load_rng else _rng(conv, pstate), moments=moments)
+
+
+def _rng(conv: upstream.Converted, pstate) -> dict | None:
+    """Upstream's RNG state for this rank when the layout is the writer's (states are per model-parallel rank)."""
+    lay = conv.layout
+    if (lay["tp"], lay["pp"], lay["dp"]) != (pstate.tp.size, pstate.pp.size, pstate.dp.size):
+        return None
+    rng = rng_for(conv, pstate.pp.rank * pstate.tp.size + pstate.tp.rank, pstate.dp.rank, pstate.dp.size)
+    if rng is None:
+        return None
+    here = get_accelerator().get_rng_state()
+    if rng["accelerator"].numel() != here.numel():  # e.g. written on CPU, resumed on a GPU: the forms differ
+        return None
+    tracker = rng["tracker"]
+    if tracker and any(v.numel() != here.numel() for v in tracker.values()):
+        return None
+    return rng
+
+
+def vocab_rows(conv: upstream.Converted, vocab_size: int, padded_here: int) -> dict[str, torch.Tensor]:
+    """The weights with vocabulary rows fitted to this run: upstream's padded rows kept where the padded sizes
+    agree (they take part in the softmax, so the loss is upstream's to the last digit), else cut to the vocab
+    (then zero-padded by full_state.shard_like)."""
+    keep = conv.padded_vocab_size if padded_here == conv.padded_vocab_size else vocab_size
+    return {k: (v[:keep] if k in VOCAB_PARAMS else v) for k, v in conv.weights.items()}
+
+
+def rng_for(conv: upstream.Converted, mp_index: int, dp_rank: int, dp_size: int) -> dict | None:
+    """Our RNG-state dict (state.set_rng_state's form) from upstream's list for this model-parallel rank and DP
+    rank; None when the layout changed or the checkpoint carries none."""
+    if mp_index >= len(conv.rng_states):
+        return None
+    states = conv.rng_states[mp_index]
+    if not states:
+        return None
+    s = states[dp_rank] if len(states) == dp_size else states[0] if len(states) == 1 else None
+    if s is None:
+        return None
+    kind, keys, pos, has_gauss, gauss = s["np_rng_state"]
+    return {"python": s["random_rng_state"],
+            "numpy": {"kind": kind, "keys": torch.as_tensor(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "torch": s["torch_rng_state"], "accelerator": s["cuda_rng_state"],
+            "tracker": dict(s.get("rng_tracker_states") or {})}

@@ -1,0 +1,285 @@
+"""Checkpoints written by upstream Megatron-DeepSpeed itself (tests/fixtures/upstream_ckpt, commit 4efb479d):
+read, converted and resumed here, checked against upstream's own recorded losses, lrs and batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.functional.cli import REPO, losses, run_pretrain
+from tests.launcher import free_port
+
+FIX = os.path.join(REPO, "tests", "fixtures", "upstream_ckpt")
+LAYOUTS = ("tp2_zero1", "pp2_zero1", "megatron_tp2")
+_LR = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| learning rate: ([0-9.E+-]+)")
+
+
+def _recorded(layout: str) -> dict:
+    with open(os.path.join(FIX, layout, "upstream_run.json")) as f:
+        return json.load(f)
+
+
+def _flags(data_cache: str) -> list[str]:
+    """make_fixtures.sh's flags in ours (upstream's tanh GeLU under --bias-gelu-fusion is our --openai-gelu)."""
+    d = os.path.join(FIX, "data")
+    return ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--lr-decay-iters", "20", "--weight-decay", "0",
+            "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0", "--openai-gelu",
+            "--data-path", os.path.join(d, "tiny_text_document"), "--split", "100,0,0",
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(d, "vocab.json"),
+            "--merge-file", os.path.join(d, "merges.txt"), "--make-vocab-size-divisible-by", "64",
+            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+            "--zero-stage", "1", "--distributed-backend", "gloo", "--data-cache-path", data_cache]
+
+
+LAYOUT_FLAGS = {"tp2_zero1": ["--tensor-model-parallel-size", "2"],
+                "pp2_zero1": ["--pipeline-model-parallel-size", "2"],
+                "megatron_tp2": ["--tensor-model-parallel-size", "2", "--clip-grad", "0"]}
+
+
+def _schedule_at_parity() -> bool:
+    """Does our scheduler apply upstream's lr at each update (0 at the first warmup update)? Upstream's first
+    update uses the lr of step 0; ours used the lr of step 1 before issue 21's schedule parity."""
+    try:
+        from megatron.training.lr_schedule import OptimizerParamScheduler
+
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        cfg = SimpleNamespace(lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", lr_decay_iters=20,
+                              lr_warmup_fraction=None, lr_warmup_iters=2, lr_warmup_samples=None,
+                              lr_decay_samples=None, lr_warmup_init=0.0)
+        OptimizerParamScheduler(opt, cfg, 6)
+        return opt.param_groups[0]["lr"] == 0.0
+    except Exception:  # noqa: BLE001 - a changed constructor: assume the parity work landed and check strictly
+        return True
+
+
+def _model(vocab_divisible: int):
+    from megatron.config import ModelConfig
+    from megatron.core.parallel_state import single_process_state
+    from megatron.model.gpt_model import GPTModel
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=64,
+                      vocab_size=320, make_vocab_size_divisible_by=vocab_divisible, use_cpu_initialization=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=True)
+    return GPTModel(cfg, tp=single_process_state().tp, init_seed=1), cfg
+
+
+def _loss_on(model, batches) -> float:
+    from megatron.training.step import gpt_forward_step
+
+    model.eval()
+    with torch.no_grad():
+        return sum(gpt_forward_step(model, {"text": torch.tensor(b)}).item() for b in batches) / len(batches)
+
+
+# --------------------------------------------------------------------------------------------- in one process
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loaded_weights_give_upstreams_loss_on_upstreams_batch(layout):
+    """Upstream's weights in our model (TP=1, upstream's padded vocabulary) score upstream's iteration-4
+    micro-batches exactly as upstream logged: name mapping, QKV [Q|K|V] -> per-group order, TP/PP merge."""
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.upstream_resume import vocab_rows
+
+    conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
+    assert conv.iteration == 3 and conv.consumed_samples == 12 and conv.lr_num_steps == 3
+    model, cfg = _model(conv.padded_vocab_size)  # one TP rank pads to exactly upstream's row count
+    load_into_model(model, vocab_rows(conv, 320, cfg.padded_vocab_size(1)), 2, 1, 0, layout)
+    rec = _recorded(layout)
+    assert _loss_on(model, rec["resumed_micro_batches"]["4"]) == pytest.approx(rec["resumed_run"]["4"]["lm_loss"],
+                                                                                abs=1e-5)
+    if layout != "megatron_tp2":  # ZeRO-1 files: Adam moments of every parameter, at upstream's step
+        assert conv.optimizer_step == 3 and set(conv.moments) == set(conv.weights)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_pickled_upstream_files_need_trust(tmp_path):
+    from megatron.checkpointing import upstream
+    from megatron.errors import CheckpointError
+
+    for layout in ("tp2_zero1", "megatron_tp2"):
+        with pytest.raises(CheckpointError, match="--trust-checkpoint"):
+            upstream.read(upstream.find(os.path.join(FIX, layout)), trust=False)
+    evil = str(tmp_path / "evil.pt")  # trust unpickles upstream's objects, not anything
+    torch.save({"args": _Evil()}, evil)
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        upstream.load_file(evil, trust=True)
+
+
+def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
+    """tools/convert_megatron_checkpoint.py: the PP=2 checkpoint as a full state (vocabulary cut to the tokenizer's
+    320 rows, as upstream's TP=1 run padded none) scores upstream's batch like upstream; moments carried."""
+    import tools.convert_megatron_checkpoint as tool
+    from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+
+    out = str(tmp_path / "full")
+    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", out, "--trust-checkpoint"]) == 0
+    full, meta = read_full_state(out)
+    assert (meta["iteration"], meta["consumed_samples"], meta["lr_num_steps"]) == (3, 12, 3)
+    assert meta["model"]["vocab_size"] == 320 and full["embedding.word_embeddings.weight"].shape[0] == 320
+    model, _ = _model(64)
+    load_into_model(model, full, 2, 1, 0, out)
+    rec = _recorded("pp2_zero1")
+    assert _loss_on(model, rec["resumed_micro_batches"]["4"]) == pytest.approx(rec["resumed_run"]["4"]["lm_loss"],
+                                                                                abs=1e-5)
+    moments, step = read_full_moments(out)
+    assert step == 3 and set(moments) == set(full)
+    mout = str(tmp_path / "meg")  # plain Megatron: weights and progress, Adam restarts (no parameter names)
+    assert tool.main(["--load", os.path.join(FIX, "megatron_tp2"), "--save", mout, "--trust-checkpoint"]) == 0
+    assert read_full_moments(mout) is None and read_full_state(mout)[1]["iteration"] == 3
+
+
+def test_layouts_recognised_and_unknown_ones_named(tmp_path):
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.upstream_resume import unknown_layout_message
+
+    assert upstream.find(os.path.join(FIX, "tp2_zero1")).kind == "deepspeed"
+    assert upstream.find(os.path.join(FIX, "megatron_tp2")).kind == "megatron"
+    assert unknown_layout_message(str(tmp_path)) is None  # empty: a fresh start is fine
+    (tmp_path / "tensorboard").mkdir()
+    assert unknown_layout_message(str(tmp_path)) is None
+    (tmp_path / "global_step5").mkdir()  # a checkpoint without any marker we read
+    assert "global_step5" in unknown_layout_message(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- resumed runs
+def _resume(tmp_path, layout: str, extra: list[str] | None = None, nproc: int = 2, load: str | None = None):
+    if load is None:
+        load = str(tmp_path / layout)
+        shutil.copytree(os.path.join(FIX, layout), load)
+    args = _flags(str(tmp_path / "cache")) + LAYOUT_FLAGS[layout] + ["--load", load, "--trust-checkpoint"]
+    proc = run_pretrain(nproc, args + (extra or []), timeout=400)
+    lrs = {int(m.group(1)): float(m.group(2)) for m in _LR.finditer(proc.stdout)}
+    return losses(proc.stdout), lrs, proc
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero1", "pp2_zero1"])
+def test_resume_continues_upstreams_run(tmp_path, layout):
+    """Acceptance (issue 21): --load of upstream's global_step3 at its layout goes on at iteration 4 with upstream's
+    loss (same data, flags), and the printed lr is upstream's at every logged iteration."""
+    got, lrs, _ = _resume(tmp_path, layout)
+    rec = _recorded(layout)["resumed_run"]
+    assert sorted(got) == [4, 5, 6], got
+    assert got[4] == pytest.approx(rec["4"]["lm_loss"], abs=1e-4)  # weights + data order
+    for it in (4, 5, 6):  # the log prints 4 digits
+        assert lrs[it] == pytest.approx(rec[str(it)]["lr"], rel=1e-3), (it, lrs, rec)
+    if not _schedule_at_parity():
+        pytest.xfail("iterations 5-6 need issue 21's LR schedule parity (ours applies the lr upstream applies one "
+                     "step later); test_resume_with_upstreams_lr_order shows they match once it does")
+    for it in (5, 6):  # optimizer state + the lr each update applies
+        assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
+
+
+SHIFT = """
+import sys
+from megatron.training import lr_schedule as L
+S = L.OptimizerParamScheduler
+# upstream's order: an update applies the lr of the steps done before it (0 at the first warmup update)
+S.apply_schedule = lambda self: self._apply(self.get_lr(self.num_steps))
+def step(self, increment=1):
+    self.num_steps += increment
+    self._apply(self.get_lr(self.num_steps))
+def load(self, state):
+    self.num_steps = int(state["num_steps"])
+    self._apply(self.get_lr(self.num_steps))
+S.step, S.load_state_dict = step, load
+import pretrain_gpt
+sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(_schedule_at_parity(), reason="the schedule is at parity: test_resume_continues_upstreams_run "
+                                                  "checks iterations 5-6 itself")
+def test_resume_with_upstreams_lr_order(tmp_path):
+    """What is left for iterations 5-6 is only the LR order: with upstream's order patched in, the PP=2 checkpoint
+    converted to a full state and resumed at TP=2 (another layout; 320 vocab rows as upstream's) goes on with
+    upstream's loss at 4, 5 and 6 (weights, Adam moments and step, data position)."""
+    import subprocess
+    import sys
+
+    import tools.convert_megatron_checkpoint as tool
+
+    full = str(tmp_path / "full")
+    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", full, "--trust-checkpoint"]) == 0
+    script = tmp_path / "shifted.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n" + SHIFT)
+    args = _flags(str(tmp_path / "cache")) + ["--tensor-model-parallel-size", "2", "--load", full,
+                                                "--make-vocab-size-divisible-by", "32"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(script), *args], capture_output=True, text=True, timeout=400,
+                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, rec = losses(proc.stdout), _recorded("pp2_zero1")["resumed_run"]
+    assert sorted(got) == [4, 5, 6], proc.stdout[-2000:]
+    for it in (4, 5, 6):
+        assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
+
+
+def test_plain_megatron_checkpoint_resumes_not_restarts(tmp_path):
+    """A plain Megatron iter_0000003/ (latest_checkpointed_iteration.txt, no 'latest') resumes at iteration 4 with
+    upstream's loss; before, preflight only warned and training silently restarted at iteration 1."""
+    got, _, proc = _resume(tmp_path, "megatron_tp2", ["--train-iters", "4"])
+    assert sorted(got) == [4], proc.stdout[-2000:]
+    assert got[4] == pytest.approx(_recorded("megatron_tp2")["resumed_run"]["4"]["lm_loss"], abs=1e-4)
+
+
+def _one_line_refusal(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "initializing" not in proc.stdout and "process group" not in proc.stdout  # before any process group
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_untrusted_upstream_checkpoint_refused_in_preflight(tmp_path):
+    load = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIX, "tp2_zero1"), load)
+    args = _flags(str(tmp_path / "cache")) + ["--load", load]
+    _one_line_refusal(run_pretrain(1, args, check=False), "--trust-checkpoint", "mp_rank_00_model_states.pt")
+
+
+def test_unknown_layout_refused_in_preflight(tmp_path):
+    """A --load directory holding a checkpoint in a layout we do not read: one line, exit 2, no silent restart."""
+    load = tmp_path / "ckpt"
+    (load / "checkpoint-100").mkdir(parents=True)
+    (load / "checkpoint-100" / "model.pt").write_bytes(b"")
+    (load / "model.pt").write_bytes(b"")
+    args = _flags(str(tmp_path / "cache")) + ["--load", str(load)]
+    _one_line_refusal(run_pretrain(1, args, check=False), "model.pt", "no checkpoint layout")
+
+
+def test_save_writes_megatron_tracker(tmp_path):
+    """latest_checkpointed_iteration.txt beside 'latest', holding the iteration as upstream writes it."""
+    from tests.functional.cli import TINY
+
+    save = tmp_path / "save"
+    run_pretrain(1, TINY + ["--train-iters", "2", "--save", str(save), "--save-interval", "1"],
+                 env={"MASTER_PORT": str(free_port())})  # one process still makes a gloo group: a port of its own
+    assert (save / "latest").read_text() == "global_step2"
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_qkv_rows_reordered_per_kv_group():
+    """Upstream's per-rank [Q | K | V] rows -> ours [q_1 .. q_g, k, v] per KV group, by hand (head dim 1)."""
+    from megatron.checkpointing.upstream import qkv_to_ours
+
+    # GQA: 4 query heads, 2 KV heads. Rows named by value: q0..q3 = 0..3, k0, k1 = 10, 11, v0, v1 = 20, 21.
+    rows = torch.tensor([0.0, 1, 2, 3, 10, 11, 20, 21])
+    assert qkv_to_ours(rows, 4, 2, 1).tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    # MHA with a [rows, hidden] weight: per head q, k, v.
+    w = torch.tensor([0.0, 1, 10, 11, 20, 21]).repeat_interleave(2).view(6, 2)
+    assert qkv_to_ours(w, 2, 2, 1)[:, 0].tolist() == [0, 10, 20, 1, 11, 21]
