@@ -272,6 +272,8 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         # Its grid's data axis is SP x DP, and it checks train_batch_size against micro-batch x accumulation x
         # that axis: every SP rank counts as a replica there (each holds 1/SP of the same samples).
         ds_config = dict(ds_config, train_batch_size=ds_config["train_batch_size"] * pstate.sp.size)
+        # The engine then steps the schedule by that inflated count (it passes no lr_kwargs): count samples.
+        scheduler.engine_samples_per_sample = pstate.sp.size
     # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            mpu=None if pipeline else pstate, config=ds_config)

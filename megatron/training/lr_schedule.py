@@ -170,6 +170,9 @@ class OptimizerParamScheduler:
         self.legacy_samples_per_step = legacy_samples_per_step
         """Samples per step of a legacy (iteration-counting) state: the saved run's global batch."""
         self.num_steps, self.num_tokens, self.consumed_tokens = 0, 0, 0
+        self.engine_samples_per_sample = 1
+        """> 1 where the engine counts each sample that often (the pipeline engine under Ulysses: its batch check
+        counts every SP rank as a replica, and it steps the schedule by that count)."""
         self.step(0)
 
     @classmethod
@@ -212,7 +215,7 @@ class OptimizerParamScheduler:
         """Move on by ``increment`` samples; ``token_num``: the tokens consumed before this step (default: the
         trainer's count)."""
         self.num_tokens = self.consumed_tokens if token_num is None else token_num
-        self.num_steps += increment
+        self.num_steps += increment // self.engine_samples_per_sample
         if (self.lr_warmup_tokens is None and self.lr_decay_tokens is not None and self.lr_warmup_steps > 0
                 and self.num_steps == self.lr_warmup_steps):
             self.lr_warmup_tokens = self.num_tokens  # token-based decay starts where the step warmup ends
