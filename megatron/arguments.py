@@ -144,6 +144,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="with --load: a directory without a checkpoint is an error instead of a fresh start")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only; iteration, optimizer, LR schedule and RNG start fresh")
+    g.add_argument("--verify-checkpoint", choices=["full", "size", "off"], default="full",
+                   help="check --load's files against the checkpoint's integrity manifest before loading: full "
+                        "(sizes and xxHash checksums, shared over the ranks), size, or off")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="delete older checkpoints (the one 'latest' names is never deleted)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at this iteration multiple")

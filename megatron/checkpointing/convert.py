@@ -7,12 +7,12 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megatron.checkpointing.checkpoint import read_latest, read_meta
 from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
-from megatron.checkpointing.safe_io import atomic_write_text, fsync_file
+from megatron.checkpointing import integrity
 from megatron.errors import CheckpointError
 
 
@@ -64,9 +64,9 @@ def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict, special_t
     config.update(special_tokens or {})
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")
-    save_file({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
-    fsync_file(weights)
-    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True))
+    integrity.write_safetensors({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
+    integrity.write_bytes(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True).encode())
+    integrity.write_manifest(out_dir, integrity.recorded(out_dir))  # what tools/verify_checkpoint.py checks
     return config
 
 

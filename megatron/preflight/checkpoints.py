@@ -1,4 +1,5 @@
-"""Pre-flight checks of --save (creatable and writable) and --load (a checkpoint that fits the flags)."""
+"""Pre-flight checks of --save (creatable, writable, room for a checkpoint) and --load (a complete checkpoint
+that fits the flags)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,23 @@ def check_save(save: str | None) -> None:
                           "(on Frontier a project directory on Lustre, not $HOME)") from None
 
 
+def check_save_space(settings, run: RunConfig) -> None:
+    """One warning line when --save's file system cannot hold one checkpoint of this model and layout."""
+    from megatron.checkpointing.space import low_space_warning
+
+    if settings.save:
+        msg = low_space_warning(settings.save, run, not settings.no_save_optim)
+        if msg:
+            warn_once(msg)
+
+
 def check_load(settings, run: RunConfig) -> None:
     """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
     precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
     from megatron.checkpointing.checkpoint import missing_checkpoint_message, read_latest, read_meta
     from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
     from megatron.checkpointing.state import check_model_shape, check_resume
+    from megatron.checkpointing.verify import check_complete
 
     load = settings.load
     if not load:
@@ -55,6 +67,7 @@ def check_load(settings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, load)
+        check_complete(load, None)
         return
     tag = read_latest(load)
     if tag is None:
@@ -66,3 +79,4 @@ def check_load(settings, run: RunConfig) -> None:
     meta = read_meta(ckpt_dir)
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
+    check_complete(ckpt_dir, meta)  # every file the manifest (or the layout) names, with its size: stats only

@@ -78,10 +78,10 @@ def save_shard(engine, tmp_dir: str, rank: int, rng: dict, save_optimizer: bool)
         "rng": rng,
         **shard_table_entry(engine),
     }
-    _ckpt_engine(engine).save(state, shard_file(tmp_dir, rank))
+    checkpoint_engine(engine).save(state, shard_file(tmp_dir, rank))
 
 
-def _ckpt_engine(engine):
+def checkpoint_engine(engine):
     """safe_io's engine (fsync on save, weights_only on load): the same code path as DeepSpeed's files."""
     from megatron.checkpointing import safe_io
 
@@ -114,7 +114,7 @@ _RESHARD = ("Launch the same layout, or convert: python tools/reshard_checkpoint
 def load_shard(engine, ckpt_dir: str, rank: int, load_optimizer: bool, load_scheduler: bool) -> dict:
     """Restore this rank's state from its own file; returns the file's dict (its ``rng`` is applied later)."""
     path = shard_file(ckpt_dir, rank)
-    state = _ckpt_engine(engine).load(path, map_location="cpu")
+    state = checkpoint_engine(engine).load(path, map_location="cpu")
     if state.get("shard_index") != shard_table_entry(engine)["shard_index"]:
         raise CheckpointError(f"checkpoint file {path} holds shard {state.get('shard_index')}, this rank owns "
                               f"{shard_table_entry(engine)['shard_index']}: the files were renamed or mixed")
