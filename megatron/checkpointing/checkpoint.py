@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 
@@ -136,16 +135,15 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
             hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
                                   not settings.no_save_optim)
         except OSError as e:  # e.g. the directory could not be created
-            failure = e
+            failure = (os.path.join(save_dir, tmp_tag), e)
     else:
         ckpt_engine = safe_io.install(engine)
         ckpt_engine.failure = None
         try:
             _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
         except OSError as e:  # written outside the checkpoint engine (DeepSpeed's directories, scripts)
-            failure = e
-    if failure is None and ckpt_engine.failure is not None:
-        failure = ckpt_engine.failure[1]
+            failure = (e.filename or os.path.join(save_dir, tmp_tag), e)
+    failure = failure or ckpt_engine.failure
     tmp = os.path.join(save_dir, tmp_tag)
     # Every rank's files are on disk (or failed): all agree before rank 0 commits.
     _check_saved(failure, save_dir, tmp, free, run, settings)
@@ -166,29 +164,32 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
             safe_io.fsync_dir(save_dir)
             safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
         except OSError as e:
-            failure = e
+            failure = (e.filename or tmp, e)
+            if os.path.isdir(final) and not os.path.exists(tmp) and _latest_or_none(save_dir) != tag:
+                os.replace(final, tmp)  # renamed but not committed: removed with the temporary directory
         else:
             _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
     _check_saved(failure, save_dir, tmp, free, run, settings)  # nobody proceeds before the commit
     return final
 
 
-def _check_saved(failure: OSError | None, save_dir: str, tmp: str, free: int | None, run: RunConfig,
+def _check_saved(failure: tuple[str, OSError] | None, save_dir: str, tmp: str, free: int | None, run: RunConfig,
                  settings: CheckpointSettings) -> None:
     """Collective: when a write failed on any rank, remove the temporary directory and raise the same one-line
     error on every rank (``latest`` has not moved). Rank 0's free-space figure travels in the same all-reduce."""
-    err = (failure.errno or errno.EIO) if failure is not None else 0
+    err = (failure[1].errno or errno.EIO) if failure is not None else 0
     worst, free_max = comm.reduce_host([err, -1 if free is None else free], op=tdist.ReduceOp.MAX,
                                        dtype=torch.int64)
     if not worst:
         return
+    paths = comm.all_gather_object(failure[0] if failure is not None else None)  # only on the failure path
+    where = next((f"{path} on rank {r}" for r, path in enumerate(paths) if path), tmp)
+    integrity.recorded(tmp)  # forget this save's records
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)
-    if failure is not None:
-        print(f"> rank {tdist.get_rank()}: checkpoint write failed: {failure}", file=sys.stderr, flush=True)
     raise CheckpointError(space.save_failed_message(
         save_dir, tmp, int(worst), space.checkpoint_bytes(run, not settings.no_save_optim),
-        None if free_max < 0 else int(free_max), _latest_or_none(save_dir)))
+        None if free_max < 0 else int(free_max), _latest_or_none(save_dir), where))
 
 
 def _latest_or_none(save_dir: str) -> str | None:

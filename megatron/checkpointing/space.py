@@ -54,11 +54,12 @@ def low_space_warning(save: str, run: RunConfig, with_optimizer: bool) -> str | 
 
 
 def save_failed_message(save_dir: str, tmp_dir: str, err: int, need: int, free: int | None,
-                        latest: str | None) -> str:
+                        latest: str | None, where: str) -> str:
     what = "out of space" if err == errno.ENOSPC else "over quota" if err in SPACE_ERRNOS else os.strerror(err)
     name = errno.errorcode.get(err, str(err))
     kept = f"'latest' still names {latest}" if latest else "no earlier checkpoint exists ('latest' not written)"
     fix = ("free space or raise the quota (lfs quota -p), then resume" if err in SPACE_ERRNOS else
            "check the file system, then resume")
-    return (f"checkpoint save to {save_dir} failed: {what} ({name}); the checkpoint needs about {fmt(need)}, "
+    return (f"checkpoint save to {save_dir} failed: {what} ({name}, writing {where}); the checkpoint needs about "
+            f"{fmt(need)}, "
             f"{fmt(free)} were free when the save began; removed {tmp_dir}; {kept}: {fix}")
