@@ -10,6 +10,7 @@ import argparse
 
 from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.errors import ConfigError
+from megatron.flag_bounds import check_bounds
 from megatron.model.sizes import model_names, named_model
 
 
@@ -177,7 +178,12 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None, extra=None) -> argparse.Namespace:
-    return build_parser(extra).parse_args(argv)
+    """Parse, then check every numeric flag against its range (megatron/flag_bounds.py, the table beside these
+    definitions): a value out of range is one ConfigError naming the flag and the range."""
+    parser = build_parser(extra)
+    args = parser.parse_args(argv)
+    check_bounds(parser, args)
+    return args
 
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
