@@ -8,7 +8,8 @@ megatron/checkpointing/checkpoint.py owns the protocol (temporary tag, fsync, re
 
 Files are written through safe_io's SafeCheckpointEngine (torch.save hashed into the integrity manifest, fsync)
 and read with its weights_only loader, as DeepSpeed's files are. Nothing is gathered: the secondary shards are
-saved rather than re-gathered at load, so a resumed run starts from exactly the bytes the straight run holds (bit-exact resume, also in bf16).
+saved rather than re-gathered at load, so a resumed run starts from exactly the bytes the straight run holds
+(bit-exact resume, also in bf16).
 
 The metadata (``hierarchy`` in megatron_meta.json) records the layout the shards belong to: DP size, tiers with
 their sizes, weights tier, int8 block, padded bucket layout with parameter names. ``check_saved_layout`` compares
