@@ -77,8 +77,8 @@ BOUNDS: dict[str, Bound] = {
     "train_iters": Bound(1, ITERS),
     "eval_interval": Bound(1, ITERS),
     "eval_iters": Bound(0, ITERS),                                     # 0: no evaluation
-    "lr": Bound(0, 10, open="lo"),                                     # sanity: lr > 10 diverges any model
-    "min_lr": Bound(0, 10),
+    "lr": Bound(0, None, open="lo"),              # a diverging lr is caught by --max-nonfinite-loss-iters (tested)
+    "min_lr": Bound(0, None),
     "lr_warmup_iters": Bound(0, ITERS),
     "lr_warmup_fraction": Bound(0, 1),
     "lr_decay_iters": Bound(1, ITERS),
