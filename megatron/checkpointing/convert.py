@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from megatron.checkpointing.checkpoint import read_latest, read_meta
 from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
+from megatron.checkpointing.verify import require_whole
 from megatron.checkpointing import integrity
 from megatron.errors import CheckpointError
 
@@ -20,6 +21,7 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
     """(full state, model config fields, progress {iteration, consumed_samples, lr_num_steps}) of a
     ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
     if is_full_state(path):
+        require_whole(path)
         full, meta = read_full_state(path)
         return full, meta["model"], {k: meta.get(k, 0) for k in ("iteration", "consumed_samples", "lr_num_steps")}
     if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
@@ -28,6 +30,7 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
             raise CheckpointError(f"{path}: no 'latest' file and no megatron_meta.json: not a checkpoint directory")
     ckpt_dir = os.path.join(path, tag) if tag else path
     meta = read_meta(ckpt_dir)
+    require_whole(ckpt_dir)
     progress = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                 "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
     return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
@@ -75,6 +78,7 @@ def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: pass a local HF model directory")
+    require_whole(hf_dir)  # an export of ours carries a manifest; one from the Hub does not
     with open(cfg_path) as f:
         config = json.load(f)
     index = os.path.join(hf_dir, "model.safetensors.index.json")

@@ -147,3 +147,13 @@ def offline_problems(ckpt_dir: str, meta: dict | None, mode: str = "full") -> tu
         return (missing_or_short(ckpt_dir, meta or {}, None) if meta is not None else []), False
     bad = integrity.problems(ckpt_dir, files, sorted(files), mode)
     return sorted(bad.items()), True
+
+
+def require_whole(ckpt_dir: str) -> None:
+    """Offline readers (tools/reshard_checkpoint.py, tools/convert_*): a checkpoint with a manifest is checked in
+    full before it is converted; the first damaged file is one line."""
+    files = integrity.read_manifest(ckpt_dir)
+    if files is not None:
+        bad = integrity.problems(ckpt_dir, files, sorted(files), "full")
+        if bad:
+            raise CheckpointError(damaged_message(ckpt_dir, sorted((n, _KINDS[_kind(p)]) for n, p in bad.items())))
