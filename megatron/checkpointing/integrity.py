@@ -20,6 +20,7 @@ import errno
 import json
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -28,12 +29,20 @@ FORMAT = "megatron-frontier/integrity-v1"
 ALGORITHM = "xxh3_128"
 _CHUNK = 16 << 20
 
+_OVERLAP = 1 << 20
+"""Writes of at least this many bytes are hashed on the helper thread, smaller ones inline."""
+_pool: ThreadPoolExecutor | None = None
+
 _written: dict[str, tuple[int, str]] = {}
 """abspath -> (size, digest) of the files this process wrote and has not yet handed to a manifest."""
 
 
 class HashingWriter:
-    """A binary file-like object that hashes and counts the bytes it passes to ``f``."""
+    """A binary file-like object that hashes and counts the bytes it passes to ``f``.
+
+    A large write is hashed on a helper thread while the calling thread writes it: XXH3 and the write system call
+    both release the GIL, so on a rank with a spare core the checksum costs no wall time. The write returns only
+    after both finished (torch may reuse the buffer afterwards)."""
 
     def __init__(self, f) -> None:
         self._f = f
@@ -43,16 +52,22 @@ class HashingWriter:
         """The OSError a write raised (torch.save may wrap it in a RuntimeError; the caller wants the errno)."""
 
     def write(self, data) -> int:
-        n_bytes = memoryview(data).nbytes
+        view = memoryview(data)
+        n_bytes = view.nbytes
+        hashing = _hasher().submit(self._h.update, view) if n_bytes >= _OVERLAP else None
         try:
-            n = self._f.write(data)
+            n = self._f.write(view)
         except OSError as e:
             self.error = e
             raise
+        finally:
+            if hashing is not None:
+                hashing.result()
         if n is not None and n != n_bytes:  # a short write: the file system took less than it was given
             self.error = OSError(errno.ENOSPC, f"short write ({n} of {n_bytes} bytes)")
             raise self.error
-        self._h.update(data)
+        if hashing is None:
+            self._h.update(view)
         self.size += n_bytes
         return n_bytes
 
@@ -61,6 +76,13 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+    return _pool
 
 
 def write_torch(obj, path: str, zipfile: bool = True) -> None:
