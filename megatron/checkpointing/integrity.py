@@ -154,11 +154,14 @@ def hash_files(root: str, names) -> dict[str, dict]:
 
 
 def write_manifest(ckpt_dir: str, files: dict[str, dict]) -> None:
-    from megatron.checkpointing.safe_io import atomic_write_text
-
-    atomic_write_text(os.path.join(ckpt_dir, MANIFEST),
-                      json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": dict(sorted(files.items()))},
-                                 indent=1))
+    """Written in place and fsynced, without a rename or a directory fsync of its own: the checkpoint directory is
+    still temporary (the commit's rename and directory fsync follow), and an export writes its completion marker
+    after it, so a torn manifest is never taken for a whole checkpoint."""
+    text = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1)
+    with open(os.path.join(ckpt_dir, MANIFEST), "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_manifest(ckpt_dir: str) -> dict[str, dict] | None:
