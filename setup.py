@@ -58,6 +58,7 @@ setup(
         "safetensors",
         "tensorboard",
         "pybind11",
+        "xxhash>=3.0",
     ],
     extras_require={"test": ["pytest", "matplotlib"]},
     ext_modules=_EXT_MODULES,

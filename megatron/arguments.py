@@ -11,6 +11,7 @@ import argparse
 from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.compat import flags as compat
 from megatron.errors import ConfigError, launcher_rank
+from megatron.flag_bounds import check_bounds
 from megatron.model.sizes import model_names, named_model
 
 
@@ -236,6 +237,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="with --load: a directory without a checkpoint is an error instead of a fresh start")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only; iteration, optimizer, LR schedule and RNG start fresh")
+    g.add_argument("--verify-checkpoint", choices=["full", "size", "off"], default="full",
+                   help="check --load's files against the checkpoint's integrity manifest before loading: full "
+                        "(sizes and xxHash checksums, shared over the ranks), size, or off")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="delete older checkpoints (the one 'latest' names is never deleted)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at this iteration multiple")
@@ -267,12 +271,15 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None, extra=None) -> argparse.Namespace:
-    """Parse, then apply upstream's flag classes (megatron/compat/flags.py): a refused flag is a ConfigError, a
-    given no-op is said once."""
-    args = build_parser(extra).parse_args(argv)
+    """Parse, apply upstream's flag classes (megatron/compat/flags.py: a refused flag is a ConfigError, a given
+    no-op is said once), then check every numeric flag against its range (megatron/flag_bounds.py, the table beside
+    these definitions): a value out of range is one ConfigError naming the flag and the range."""
+    parser = build_parser(extra)
+    args = parser.parse_args(argv)
     for note in compat.apply(args):
         if launcher_rank() == 0:
             print(f"> {note}", flush=True)
+    check_bounds(parser, args)
     _resolve_aliases(args)
     return args
 

@@ -14,6 +14,7 @@ any moment leaves ``latest`` naming a complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from megatron.checkpointing import safe_io
+from megatron.checkpointing import integrity, safe_io, space, verify
 from megatron.checkpointing.full_state import (
     is_full_state,
     load_into_model,
@@ -68,12 +69,14 @@ class CheckpointSettings:
     """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
     trust_checkpoint: bool = False
     """--trust-checkpoint: unpickle an upstream Megatron(-DeepSpeed) checkpoint's Python objects (upstream.py)."""
+    verify: str = "full"
+    """--verify-checkpoint: check the files of --load against their manifest (full: sizes and checksums)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
         s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
-                args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints)
-        s.trust_checkpoint = bool(getattr(args, "trust_checkpoint", False))
+                args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints,
+                bool(getattr(args, "trust_checkpoint", False)), getattr(args, "verify_checkpoint", "full"))
         if s.keep_last is not None and s.keep_last < 1:
             raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
         if s.save_interval is not None and s.save_interval < 1:
@@ -129,32 +132,82 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "partition_table": {k: v for t in tables for k, v in t.items()},
             "format": "megatron-frontier/deepspeed-v1"}
+    free = space.free_bytes(save_dir) if _rank0() else None  # for the one line of a failed save
+    failure = None
     if hzero_ckpt.is_engine(engine):  # hierarchical ZeRO: every rank writes its own file, RNG state included
         meta.update(format=hzero_ckpt.FORMAT, hierarchy=hzero_ckpt.layout(engine, _ranks_per_node(engine)),
                     shards={str(r): e for r, e in enumerate(comm.all_gather_object(hzero_ckpt.shard_table_entry(
                         engine)))})
-        hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
-                              not settings.no_save_optim)
-        comm.barrier()  # every shard is on disk before rank 0 commits
+        ckpt_engine = hzero_ckpt.checkpoint_engine(engine)
+        ckpt_engine.failure = None
+        try:
+            hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
+                                  not settings.no_save_optim)
+        except OSError as e:  # e.g. the directory could not be created
+            failure = (os.path.join(save_dir, tmp_tag), e)
     else:
-        _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
+        ckpt_engine = safe_io.install(engine)
+        ckpt_engine.failure = None
+        try:
+            _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
+        except OSError as e:  # written outside the checkpoint engine (DeepSpeed's directories, scripts)
+            failure = (e.filename or os.path.join(save_dir, tmp_tag), e)
+    failure = failure or ckpt_engine.failure
+    tmp = os.path.join(save_dir, tmp_tag)
+    # Every rank's files are on disk (or failed): all agree before rank 0 commits.
+    _check_saved(failure, save_dir, tmp, free, run, settings)
+    files = {k: v for part in comm.all_gather_object(integrity.recorded(tmp)) for k, v in part.items()}
     final = os.path.join(save_dir, tag)
+    failure = None
     if _rank0():
-        tmp = os.path.join(save_dir, tmp_tag)
-        safe_io.atomic_write_text(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True))
-        safe_io.fsync_dir(tmp)
-        if os.path.exists(final):  # the same iteration saved before (e.g. a resumed run): replace it
-            old = f"{final}.old-{tmp_tag.rsplit('-', 1)[1]}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        safe_io.fsync_dir(save_dir)
-        safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
-        # Megatron's marker too (its iteration, as upstream writes it), which upstream's resume loops read
-        safe_io.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
-        _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
-    comm.barrier()  # nobody proceeds (or exits) before the checkpoint is committed
+        try:
+            integrity.write_bytes(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
+            files.update(integrity.recorded(tmp))
+            integrity.write_manifest(tmp, files)  # before the rename and `latest`: a committed checkpoint has one
+            safe_io.fsync_dir(tmp)
+            if os.path.exists(final):  # the same iteration saved before (e.g. a resumed run): replace it
+                old = f"{final}.old-{tmp_tag.rsplit('-', 1)[1]}"
+                os.replace(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, final)
+            safe_io.fsync_dir(save_dir)
+            safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
+            # Megatron's marker too (its iteration, as upstream writes it), which upstream's resume loops read
+            safe_io.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
+        except OSError as e:
+            failure = (e.filename or tmp, e)
+            if os.path.isdir(final) and not os.path.exists(tmp) and _latest_or_none(save_dir) != tag:
+                os.replace(final, tmp)  # renamed but not committed: removed with the temporary directory
+        else:
+            _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
+    _check_saved(failure, save_dir, tmp, free, run, settings)  # nobody proceeds before the commit
     return final
+
+
+def _check_saved(failure: tuple[str, OSError] | None, save_dir: str, tmp: str, free: int | None, run: RunConfig,
+                 settings: CheckpointSettings) -> None:
+    """Collective: when a write failed on any rank, remove the temporary directory and raise the same one-line
+    error on every rank (``latest`` has not moved). Rank 0's free-space figure travels in the same all-reduce."""
+    err = (failure[1].errno or errno.EIO) if failure is not None else 0
+    worst, free_max = comm.reduce_host([err, -1 if free is None else free], op=tdist.ReduceOp.MAX,
+                                       dtype=torch.int64)
+    if not worst:
+        return
+    paths = comm.all_gather_object(failure[0] if failure is not None else None)  # only on the failure path
+    where = next((f"{path} on rank {r}" for r, path in enumerate(paths) if path), tmp)
+    integrity.recorded(tmp)  # forget this save's records
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(space.save_failed_message(
+        save_dir, tmp, int(worst), space.checkpoint_bytes(run, not settings.no_save_optim),
+        None if free_max < 0 else int(free_max), _latest_or_none(save_dir), where))
+
+
+def _latest_or_none(save_dir: str) -> str | None:
+    try:
+        return read_latest(save_dir)
+    except CheckpointError:
+        return None
 
 
 def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: ParallelState,
@@ -257,6 +310,7 @@ def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: Chec
         return load_upstream(model, run, pstate, settings)  # None unless an upstream Megatron(-DeepSpeed) layout
     if not settings.load or not is_full_state(settings.load):
         return None
+    verify.verify_collective(settings.load, settings.verify, _say)  # before a byte of it reaches the model
     full, meta = read_full_state(settings.load)
     check_model_shape(meta["model"], run, settings.load)
     load_into_model(model, full, run.model.num_layers, pstate.tp.size, pstate.tp.rank, settings.load)
@@ -297,6 +351,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     meta = read_meta(ckpt_dir)
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
+    verify.verify_collective(ckpt_dir, settings.verify, _say)  # sizes and checksums, shared over the ranks
     validate_files(ckpt_dir)
     if getattr(engine, "lr_scheduler", None) is not None:  # an older, iteration-counting schedule state: per step
         engine.lr_scheduler.legacy_samples_per_step = int(meta["run"]["training"]["global_batch_size"])

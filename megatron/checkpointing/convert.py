@@ -7,12 +7,13 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megatron.checkpointing.checkpoint import read_latest, read_meta
 from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
-from megatron.checkpointing.safe_io import atomic_write_text, fsync_file
+from megatron.checkpointing.verify import require_whole
+from megatron.checkpointing import integrity
 from megatron.errors import CheckpointError
 
 
@@ -20,6 +21,7 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
     """(full state, model config fields, progress {iteration, consumed_samples, lr_num_steps}) of a
     ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
     if is_full_state(path):
+        require_whole(path)
         full, meta = read_full_state(path)
         progress = {k: meta.get(k, 0) for k in ("iteration", "consumed_samples", "lr_num_steps")}
         if meta.get("lr_scheduler"):
@@ -31,6 +33,7 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
             raise CheckpointError(f"{path}: no 'latest' file and no megatron_meta.json: not a checkpoint directory")
     ckpt_dir = os.path.join(path, tag) if tag else path
     meta = read_meta(ckpt_dir)
+    require_whole(ckpt_dir)
     progress = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                 "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
     if meta.get("lr_scheduler"):
@@ -69,9 +72,9 @@ def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict, special_t
     config.update(special_tokens or {})
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")
-    save_file({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
-    fsync_file(weights)
-    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True))
+    integrity.write_safetensors({k: v.float().contiguous() for k, v in hf.items()}, weights, metadata={"format": "pt"})
+    integrity.write_bytes(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True).encode())
+    integrity.write_manifest(out_dir, integrity.recorded(out_dir))  # what tools/verify_checkpoint.py checks
     return config
 
 
@@ -80,6 +83,7 @@ def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: pass a local HF model directory")
+    require_whole(hf_dir)  # an export of ours carries a manifest; one from the Hub does not
     with open(cfg_path) as f:
         config = json.load(f)
     index = os.path.join(hf_dir, "model.safetensors.index.json")

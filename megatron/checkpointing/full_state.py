@@ -20,9 +20,10 @@ import tempfile
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from megatron.checkpointing.safe_io import atomic_write_text, fsync_file, safe_load
+from megatron.checkpointing import integrity
+from megatron.checkpointing.safe_io import safe_load
 from megatron.errors import CheckpointError
 
 FULL_STATE_META = "full_state.json"
@@ -174,15 +175,18 @@ def save_full_state(out_dir: str, full: dict[str, torch.Tensor], meta: dict,
     it complete."""
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, FULL_STATE_WEIGHTS)
-    save_file({k: v.contiguous() for k, v in full.items()}, weights)
-    fsync_file(weights)
+    integrity.write_safetensors({k: v.contiguous() for k, v in full.items()}, weights)
     optim = os.path.join(out_dir, FULL_STATE_OPTIMIZER)
     if moments:
-        save_file({f"{k}/{name}": v.float().contiguous() for name, m in moments.items() for k, v in m.items()}, optim)
-        fsync_file(optim)
+        integrity.write_safetensors({f"{k}/{name}": v.float().contiguous() for name, m in moments.items()
+                                     for k, v in m.items()}, optim)
     elif os.path.exists(optim):  # a stale file from an earlier conversion into the same directory
         os.remove(optim)
-    atomic_write_text(os.path.join(out_dir, FULL_STATE_META), json.dumps(meta, indent=1, sort_keys=True))
+    # The manifest before the JSON that marks the directory complete (the JSON's entry is known in advance).
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    integrity.record(os.path.join(out_dir, FULL_STATE_META), len(text), integrity.digest(text))
+    integrity.write_manifest(out_dir, integrity.recorded(out_dir))
+    integrity.write_bytes(os.path.join(out_dir, FULL_STATE_META), text, record=False)
 
 
 def is_full_state(path: str) -> bool:

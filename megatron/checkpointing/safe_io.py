@@ -15,6 +15,7 @@ import zipfile
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from megatron.checkpointing import integrity
 from megatron.errors import CheckpointError
 
 
@@ -83,18 +84,29 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 class SafeCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, but every save is fsynced before the save returns and every
-    load is ``weights_only``. Installed on the engine by ``install``; DeepSpeed routes its model, ZeRO and
-    pipeline-layer files through ``engine.checkpoint_engine``."""
+    """DeepSpeed's torch checkpoint engine, but every save is hashed while it streams to the file (the
+    integrity manifest, integrity.py) and fsynced before the save returns, and every load is ``weights_only``.
+    Installed on the engine by ``install``; DeepSpeed routes its model, ZeRO and pipeline-layer files through
+    ``engine.checkpoint_engine``.
+
+    A failed write (ENOSPC, EDQUOT, EIO) does not raise here: it is kept in ``failure`` and later writes of the
+    same save are skipped, so this rank still reaches DeepSpeed's barriers with the others; the save protocol
+    (checkpoint.py) then agrees on the failure over all ranks and reports it once."""
 
     drop_optimizer = False
     """--no-save-optim under ZeRO-0: DeepSpeed keeps the optimizer inside the model file; write None there."""
+    failure: tuple[str, OSError] | None = None
+    """(path, error) of this save's first failed write on this rank."""
 
     def save(self, state_dict, path: str) -> None:
+        if self.failure is not None:
+            return
         if self.drop_optimizer and isinstance(state_dict, dict) and state_dict.get("optimizer") is not None:
             state_dict = {**state_dict, "optimizer": None}
-        super().save(state_dict, path)
-        fsync_file(path)
+        try:
+            integrity.write_torch(state_dict, path, zipfile=self.zipfile_serialization)
+        except OSError as e:
+            self.failure = (path, e)
 
     def load(self, path: str, map_location=None):
         return safe_load(path, map_location=map_location)

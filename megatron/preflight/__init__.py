@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 
 from megatron.config import RunConfig
-from megatron.preflight.checkpoints import check_load, check_save
+from megatron.preflight.checkpoints import check_load, check_save, check_save_space
 from megatron.preflight.data import check_data
 
 
 def preflight(args: argparse.Namespace, run: RunConfig, settings) -> None:
     """``settings``: the run's CheckpointSettings. Cheapest first; nothing here is collective."""
     check_save(settings.save)
+    check_save_space(settings, run)
     check_load(settings, run)
     check_data(args, run)
 
 
-__all__ = ["check_data", "check_load", "check_save", "preflight"]
+__all__ = ["check_data", "check_load", "check_save", "check_save_space", "preflight"]

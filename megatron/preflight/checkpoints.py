@@ -1,4 +1,5 @@
-"""Pre-flight checks of --save (creatable and writable) and --load (a checkpoint that fits the flags)."""
+"""Pre-flight checks of --save (creatable, writable, room for a checkpoint) and --load (a complete checkpoint
+that fits the flags)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def check_save(save: str | None) -> None:
                           "(on Frontier a project directory on Lustre, not $HOME)") from None
 
 
+def check_save_space(settings, run: RunConfig) -> None:
+    """One warning line when --save's file system cannot hold one checkpoint of this model and layout."""
+    from megatron.checkpointing.space import low_space_warning
+
+    if settings.save:
+        msg = low_space_warning(settings.save, run, not settings.no_save_optim)
+        if msg:
+            warn_once(msg)
+
+
 def check_load(settings, run: RunConfig) -> None:
     """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
     precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
@@ -40,6 +51,7 @@ def check_load(settings, run: RunConfig) -> None:
     from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
     from megatron.checkpointing.state import check_model_shape, check_resume
     from megatron.training.lr_schedule import check_resume_schedule
+    from megatron.checkpointing.verify import check_complete
 
     load = settings.load
     if not load:
@@ -58,6 +70,8 @@ def check_load(settings, run: RunConfig) -> None:
         check_model_shape(meta.get("model", {}), run, load)
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, load)
+        if getattr(settings, "verify", "full") != "off":
+            check_complete(load, None)
         return
     from megatron.checkpointing.upstream_resume import check_upstream, unknown_layout_message
 
@@ -77,3 +91,5 @@ def check_load(settings, run: RunConfig) -> None:
     check_resume(meta, run, load_optim, ckpt_dir)
     if not settings.finetune:
         check_resume_schedule(meta.get("lr_scheduler"), run, ckpt_dir)
+    if getattr(settings, "verify", "full") != "off":  # every file the manifest (or layout) names, sized: stats only
+        check_complete(ckpt_dir, meta)

@@ -56,7 +56,8 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     with open(os.path.join(save, "latest"), "w") as f:
         f.write("global_step10")
     step10 = os.path.join(save, "global_step10")
-    assert sorted(os.listdir(step10)) == [f"hzero_rank_{r:05d}.pt" for r in range(4)] + ["megatron_meta.json"]
+    assert sorted(os.listdir(step10)) == ([f"hzero_rank_{r:05d}.pt" for r in range(4)] + ["integrity.json",
+                                                                                        "megatron_meta.json"])
     with open(os.path.join(step10, "megatron_meta.json")) as f:
         meta = json.load(f)
     assert meta["hierarchy"]["level_sizes"] == {"package": 2, "network": 2} and meta["has_optimizer"]

@@ -87,13 +87,14 @@ def test_save_is_probed(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flag, value, needle", [
-    ("--lr", "-1", "--lr -1 must be >= 0"),
-    ("--adam-beta1", "1.0", "--adam-beta1 1 must be in [0, 1)"),
-    ("--adam-beta2", "-0.1", "--adam-beta2 -0.1 must be in [0, 1)"),
-    ("--adam-eps", "0", "--adam-eps 0 must be > 0"),
-    ("--weight-decay", "-0.01", "--weight-decay -0.01 must be >= 0"),
-    ("--weight-decay", "nan", "--weight-decay nan must be >= 0"),
-    ("--micro-batch-size", "0", "--micro-batch-size 0 must be >= 1"),
+    # Ranges come from megatron/flag_bounds.py (one row per numeric flag; NaN is outside every range).
+    ("--lr", "-1", "--lr -1: out of range; valid: 0 < value"),
+    ("--adam-beta1", "1.0", "--adam-beta1 1: out of range; valid: 0 <= value < 1"),
+    ("--adam-beta2", "-0.1", "--adam-beta2 -0.1: out of range; valid: 0 <= value < 1"),
+    ("--adam-eps", "0", "--adam-eps 0: out of range; valid: 0 < value <= 1"),
+    ("--weight-decay", "-0.01", "--weight-decay -0.01: out of range; valid: 0 <= value <= 1"),
+    ("--weight-decay", "nan", "--weight-decay nan: out of range; valid: 0 <= value <= 1"),
+    ("--micro-batch-size", "0", "--micro-batch-size 0: out of range; valid: 1 <= value <= 65536"),
     ("--zero-stage", "5", "argument --zero-stage: invalid choice: 5"),
     ("--lr-typo", "1", "unrecognized arguments: --lr-typo 1"),
 ])

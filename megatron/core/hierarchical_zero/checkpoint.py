@@ -6,9 +6,10 @@ megatron/checkpointing/checkpoint.py owns the protocol (temporary tag, fsync, re
     DIR/global_stepN/hzero_rank_00003.pt   fp32 master shard, AdamW state (exp_avg, exp_avg_sq, step), the 16-bit
                                            secondary shards, the int8 error-feedback residual, LR position, RNG
 
-Files are written through safe_io's SafeCheckpointEngine (torch.save + fsync) and read with its weights_only
-loader, as DeepSpeed's files are. Nothing is gathered: the secondary shards are saved rather than re-gathered at
-load, so a resumed run starts from exactly the bytes the straight run holds (bit-exact resume, also in bf16).
+Files are written through safe_io's SafeCheckpointEngine (torch.save hashed into the integrity manifest, fsync)
+and read with its weights_only loader, as DeepSpeed's files are. Nothing is gathered: the secondary shards are
+saved rather than re-gathered at load, so a resumed run starts from exactly the bytes the straight run holds
+(bit-exact resume, also in bf16).
 
 The metadata (``hierarchy`` in megatron_meta.json) records the layout the shards belong to: DP size, tiers with
 their sizes, weights tier, int8 block, padded bucket layout with parameter names. ``check_saved_layout`` compares
@@ -78,10 +79,10 @@ def save_shard(engine, tmp_dir: str, rank: int, rng: dict, save_optimizer: bool)
         "rng": rng,
         **shard_table_entry(engine),
     }
-    _ckpt_engine(engine).save(state, shard_file(tmp_dir, rank))
+    checkpoint_engine(engine).save(state, shard_file(tmp_dir, rank))
 
 
-def _ckpt_engine(engine):
+def checkpoint_engine(engine):
     """safe_io's engine (fsync on save, weights_only on load): the same code path as DeepSpeed's files."""
     from megatron.checkpointing import safe_io
 
@@ -114,7 +115,7 @@ _RESHARD = ("Launch the same layout, or convert: python tools/reshard_checkpoint
 def load_shard(engine, ckpt_dir: str, rank: int, load_optimizer: bool, load_scheduler: bool) -> dict:
     """Restore this rank's state from its own file; returns the file's dict (its ``rng`` is applied later)."""
     path = shard_file(ckpt_dir, rank)
-    state = _ckpt_engine(engine).load(path, map_location="cpu")
+    state = checkpoint_engine(engine).load(path, map_location="cpu")
     if state.get("shard_index") != shard_table_entry(engine)["shard_index"]:
         raise CheckpointError(f"checkpoint file {path} holds shard {state.get('shard_index')}, this rank owns "
                               f"{shard_table_entry(engine)['shard_index']}: the files were renamed or mixed")
