@@ -129,6 +129,13 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
             pipe_cfg[key] = False
     notes += _activation_checkpointing(cfg, run, source)
 
+    json_precision = [n for n in ("fp16", "bf16") if bool(cfg.get(n, {}).get("enabled", False))] if user_config else []
+    if json_precision and not (prec.fp16 or prec.bf16):
+        # Under --deepspeed upstream's engine takes the dtype from the JSON alone (its flags only shape Megatron's own
+        # optimizer, unused there): a JSON that enables fp16/bf16 trains in it, so this run does too.
+        setattr(prec, json_precision[0], True)
+        notes.append(f"> {source} enables {json_precision[0]} and neither --fp16 nor --bf16 is given: training in "
+                     f"{json_precision[0]}, as upstream under --deepspeed")
     for name in ("fp16", "bf16"):
         enabled_in_json = bool(cfg.get(name, {}).get("enabled", False))
         wanted = getattr(prec, name)

@@ -58,6 +58,7 @@ def key_rows() -> list[tuple[str, str, str]]:
     for key in ds_config_keys.schema_keys():
         kind, why = ds_config_keys.lookup(key) or ("UNCLASSIFIED", "in no class: a bug")
         rows.append((f"`{key}`", names.get(kind, kind), why))
+    rows += [(f"`{key}`", compat.NOOP, why) for key, why in ds_config_keys.LEGACY.items()]
     return rows
 
 

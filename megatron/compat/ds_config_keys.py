@@ -162,6 +162,13 @@ for _name in ("nebula", "compression_training", "amp", "quantize_training", "spa
              "drop it")
 
 
+LEGACY: dict[str, str] = {
+    "aio.thread_count": "an older DeepSpeed's name (now intra_op_parallelism) that DeepSpeed 0.19.8 no longer reads; "
+                        "aio settings only serve NVMe offload, which is refused here",
+}
+"""Keys real job scripts still carry that DeepSpeed 0.19.8 no longer reads: provable no-ops, said once (not typos)."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     key: str
@@ -206,6 +213,9 @@ def classify(cfg: dict) -> list[Verdict]:
             key = prefix + name
             if key == OWN_SECTION or key.startswith(OWN_SECTION + "."):
                 out.append(Verdict(key, HONOURED, "hierarchical ZeRO (megatron/core/hierarchical_zero)"))
+                continue
+            if key in LEGACY:
+                out.append(Verdict(key, NOOP, LEGACY[key], drop=True))
                 continue
             hit = lookup(key)
             if key not in schema and key.rsplit(".", 1)[0] in parents:

@@ -175,3 +175,21 @@ def test_json_gradient_clipping_applies_when_the_flag_is_not_given(tmp_path, fp1
     assert run.optimizer.clip_grad == 0.5  # our own clip paths (pipeline fp32) read it from the run
     with pytest.raises(ConfigError, match="gradient_clipping=0.5 but --clip-grad gives 1.0"):
         build_ds_config(_run(), path, clip_grad_given=True)
+
+
+def test_json_precision_without_a_flag_is_the_runs_precision(tmp_path):
+    """Upstream's engine takes the dtype from the JSON alone: an ORNL JSON enabling bf16/fp16 with no --bf16/--fp16
+    flag trains in it (said once), where it used to be refused."""
+    run = _run(fp16=False)
+    cfg = build_ds_config(run, _write(tmp_path, {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}))
+    assert run.precision.bf16 and cfg["bf16"]["enabled"]
+    assert any("enables bf16 and neither --fp16 nor --bf16" in n for n in cfg[NOTES_KEY])
+    run = _run(fp16=False, bf16=True)  # a given flag that contradicts the JSON is still refused
+    with pytest.raises(ConfigError, match="fp16.enabled=true but --fp16 is not set"):
+        build_ds_config(run, _write(tmp_path, {"fp16": {"enabled": True}}))
+
+
+def test_legacy_keys_real_scripts_carry_are_noops():
+    verdicts = {v.key: v for v in keys.classify({"aio": {"thread_count": 2, "block_size": 1048576}})}
+    assert verdicts["aio.thread_count"].cls == keys.NOOP and verdicts["aio.thread_count"].drop
+    assert verdicts["aio.block_size"].cls != keys.REFUSED
