@@ -104,7 +104,14 @@ def _parse(cfg):
 def extract() -> list[str]:
     import deepspeed.runtime.config as dsc
 
-    logging.disable(logging.CRITICAL)
+    logging.disable(logging.CRITICAL)  # DeepSpeed warns about every key it is shown; undone below
+    try:
+        return _extract(dsc)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _extract(dsc) -> list[str]:
     seen: set[str] = set()
     _parse(Recorder(BASE, seen, ""))
     seen |= set(dsc._REMOVED_TOP_LEVEL_CONFIG_KEYS)

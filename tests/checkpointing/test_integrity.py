@@ -39,10 +39,10 @@ def filling(self, f):
     init(self, Full(f) if "global_step4.tmp-" in f.name and os.environ["RANK"] == "1" else f)
 integrity.HashingWriter.__init__ = filling
 logged = log.TrainingLogger.iteration
-def exact(self, it, loss, res, consumed):
+def exact(self, it, loss, res, consumed, *rest):
     if loss is not None:
         print(f"EXACT {it} {loss!r}", flush=True)
-    return logged(self, it, loss, res, consumed)
+    return logged(self, it, loss, res, consumed, *rest)
 log.TrainingLogger.iteration = exact
 import pretrain_gpt
 sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
