@@ -19,7 +19,7 @@ if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
 fi
 
 set +e
-"$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=40 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
