@@ -49,19 +49,19 @@ def test_rank_agreement_and_order():
 
 
 @pytest.mark.timeout(600)
-def test_tuner_runs_six_layouts_and_ranks_by_measurement(tmp_path):
+def test_tuner_runs_three_layouts_and_ranks_by_measurement(tmp_path):
     out = tmp_path / "trials.json"
     cmd = [sys.executable, str(ROOT / "tools" / "tune_layout.py"), "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "256", "--gcds", "1",
-           "--global-batch-size", "8", "--top-k", "6", "--micro-batch-sizes", "1", "2", "4", "--train-iters", "4",
+           "--global-batch-size", "8", "--top-k", "3", "--micro-batch-sizes", "2", "4", "--train-iters", "4",
            "--log-interval", "2", "--timeout", "240", "--json-out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     trials = json.loads(out.read_text())
-    assert len(trials) == 6 and all(t["error"] is None for t in trials), trials
+    assert len(trials) == 3 and all(t["error"] is None for t in trials), trials
     measured = [t["measured_tflops"] for t in trials]
     assert measured == sorted(measured, reverse=True)  # reported ranking == measured ranking
-    assert sorted(t["predicted_rank"] for t in trials) == list(range(1, 7))
+    assert sorted(t["predicted_rank"] for t in trials) == list(range(1, 4))
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
     for t in trials:
         lay = re.match(r"TP=1 PP=1 DP=1 MBS=(\d) ZeRO=(\d)( \(recompute=full\))?", t["layout"])
