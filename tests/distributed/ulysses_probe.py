@@ -58,56 +58,48 @@ def measure(configs: list[dict], sp_sizes: list[int], model_kw: dict, steps: int
     return count_all_to_all(configs, steps), saved_bytes(sp_sizes, model_kw)
 
 
-def saved_bytes(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, int]:
-    """{SP: bytes of the activations this rank keeps for backward in one micro-batch's forward} of a GPT-2
-    (learned positions) with ``model_kw``; SP=1 runs on every rank alone (no collective)."""
+def _models(sp_sizes: list[int], model_kw: dict, micro_batch: int):
+    """(SP, a GPT-2 with ``model_kw`` over an SP group of that size, this rank's slice of one micro-batch) per SP;
+    each model is dropped before the next is built. SP=1 runs on every rank alone (no collective)."""
     from megatron.core.parallel_state import GroupInfo, ParallelState
     from megatron.core.ulysses import slice_batch
-    from megatron.initialize import initialize_distributed
     from megatron.model.gpt_model import GPTModel
     from megatron.model.sizes import named_model
-    from megatron.perf.saved_tensors import saved_activation_bytes
-    from megatron.training.step import gpt_forward_step
 
-    initialize_distributed("gloo")
     cfg = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                       make_vocab_size_divisible_by=64, **model_kw)
     gen = torch.Generator().manual_seed(1)
     batch = {"text": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length + 1), generator=gen)}
-    out = {}
     for sp in sp_sizes:
         group = GroupInfo([0], 0, None) if sp == 1 else ParallelState.build(1, sp_size=sp).sp
         model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=3, sp=group)
-        part = slice_batch(batch, group)
-        out[sp] = saved_activation_bytes(model, lambda m=model, p=part: gpt_forward_step(m, p))
+        yield sp, model, slice_batch(batch, group)
         del model
         gc.collect()
-    return out
+
+
+def saved_bytes(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, int]:
+    """{SP: bytes of the activations this rank keeps for backward in one micro-batch's forward} of a GPT-2
+    (learned positions) with ``model_kw``."""
+    from megatron.initialize import initialize_distributed
+    from megatron.perf.saved_tensors import saved_activation_bytes
+    from megatron.training.step import gpt_forward_step
+
+    initialize_distributed("gloo")
+    return {sp: saved_activation_bytes(model, lambda m=model, p=part: gpt_forward_step(m, p))
+            for sp, model, part in _models(sp_sizes, model_kw, micro_batch)}
 
 
 def activation_memory(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, tuple[int, int]]:
     """{SP: (saved activation bytes, peak rise of allocated CPU bytes over one forward + backward)} on this rank;
     the peak comes from torch.profiler's allocation records (tests/distributed/perf_probe.py peak_over)."""
-    from megatron.core.parallel_state import GroupInfo, ParallelState
-    from megatron.core.ulysses import slice_batch
-    from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
     from megatron.training.step import gpt_forward_step
     from tests.distributed.perf_probe import peak_over
 
     saved = saved_bytes(sp_sizes, model_kw, micro_batch)
-    cfg = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                      make_vocab_size_divisible_by=64, **model_kw)
-    gen = torch.Generator().manual_seed(1)
-    batch = {"text": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length + 1), generator=gen)}
     out = {}
-    for sp in sp_sizes:
-        group = GroupInfo([0], 0, None) if sp == 1 else ParallelState.build(1, sp_size=sp).sp
-        model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=3, sp=group)
-        part = slice_batch(batch, group)
+    for sp, model, part in _models(sp_sizes, model_kw, micro_batch):
         gpt_forward_step(model, part).backward()  # warm-up: .grad buffers exist before the measured pass
         peak, _, _ = peak_over(lambda m=model, p=part: gpt_forward_step(m, p).backward())
         out[sp] = (saved[sp], peak)
-        del model
-        gc.collect()
     return out
