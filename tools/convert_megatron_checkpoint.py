@@ -8,7 +8,7 @@ RNG states (they belong to the writer's layout) and a plain Megatron optimizer (
 The files are pickles with Python objects: only convert checkpoints you trust (--trust-checkpoint).
 
     python tools/convert_megatron_checkpoint.py --load CHECKPOINTS --save FULL_STATE_DIR --trust-checkpoint \
-        [--iteration N] [--vocab-size V]
+        [--iteration N] [--vocab-file VOCAB.json | --vocab-size V]
 """
 
 import argparse
@@ -21,12 +21,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.errors import CheckpointError, ConfigError, run_cli  # noqa: E402
 
 
-def _tokenizer_size(args: dict) -> int | None:
-    """The GPT-2 BPE vocabulary's size from the vocab file upstream trained with, when it is still there."""
-    path = args.get("vocab_file")
-    if args.get("tokenizer_type") == "GPT2BPETokenizer" and path and os.path.isfile(path):
+def _vocab_file_size(path: str) -> int:
+    try:
         with open(path) as f:
             return len(json.load(f))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--vocab-file {path}: not a readable GPT-2 vocab.json ({e}); pass the one the run "
+                          "trained with, or --vocab-size") from None
+
+
+def _tokenizer_size(args: dict) -> int | None:
+    """The GPT-2 BPE vocabulary's size from the vocab file upstream trained with, when that path still exists here
+    (checkpoints record an absolute path, often on another machine or scratch area)."""
+    path = args.get("vocab_file")
+    if args.get("tokenizer_type") == "GPT2BPETokenizer" and path and os.path.isfile(path):
+        return _vocab_file_size(path)
     return None
 
 
@@ -39,18 +48,25 @@ def main(argv=None) -> int:
     p.add_argument("--iteration", type=int, default=None,
                    help="default: the one 'latest' / latest_checkpointed_iteration.txt names")
     p.add_argument("--save", required=True, help="output full-state directory")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="the tokenizer's size (default: read from the GPT-2 vocab file the checkpoint names)")
+    vocab = p.add_mutually_exclusive_group()
+    vocab.add_argument("--vocab-file", default=None,
+                       help="the GPT-2 vocab.json the run trained with (default: the path the checkpoint recorded)")
+    vocab.add_argument("--vocab-size", type=int, default=None,
+                       help="the tokenizer's size, for tokenizers other than GPT-2 BPE")
     p.add_argument("--trust-checkpoint", action="store_true", help="unpickle the checkpoint's Python objects")
     p.add_argument("--no-optimizer", action="store_true", help="weights and progress only")
     args = p.parse_args(argv)
     found = _find(args.load, args.iteration)
     conv = upstream.read(found, args.trust_checkpoint, with_optimizer=not args.no_optimizer)
     first = upstream.first_args(found, args.trust_checkpoint)
-    vocab = args.vocab_size or _tokenizer_size(first)
+    if args.vocab_file:
+        vocab = _vocab_file_size(args.vocab_file)
+    else:
+        vocab = args.vocab_size or _tokenizer_size(first)
     if vocab is None:
-        raise ConfigError(f"--vocab-size is needed: {found.path} names no readable GPT-2 vocab file; pass the "
-                          "tokenizer's size (the checkpoint's vocabulary rows are padded)")
+        raise ConfigError(f"--vocab-file is needed: {found.path} names no GPT-2 vocab file found on this machine "
+                          f"({first.get('vocab_file')!r}); pass --vocab-file VOCAB.json or the tokenizer's "
+                          "--vocab-size (the checkpoint's vocabulary rows are padded)")
     if vocab > conv.padded_vocab_size:
         raise ConfigError(f"--vocab-size {vocab} is above the checkpoint's {conv.padded_vocab_size} vocabulary rows")
     weights = {k: (v[:vocab] if k in upstream.VOCAB_PARAMS else v) for k, v in conv.weights.items()}

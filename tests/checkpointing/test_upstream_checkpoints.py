@@ -16,6 +16,8 @@ from tests.functional.cli import REPO, losses, run_pretrain
 from tests.launcher import free_port
 
 FIX = os.path.join(REPO, "tests", "fixtures", "upstream_ckpt")
+# The checkpoints record the absolute vocab path of the machine that wrote them; the tests name the copy here.
+VOCAB = os.path.join(FIX, "data", "vocab.json")
 LAYOUTS = ("tp2_zero1", "pp2_zero1", "megatron_tp2")
 _LR = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| learning rate: ([0-9.E+-]+)")
 
@@ -123,9 +125,11 @@ def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
     320 rows, as upstream's TP=1 run padded none) scores upstream's batch like upstream; moments carried."""
     import tools.convert_megatron_checkpoint as tool
     from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+    from megatron.errors import ConfigError
 
     out = str(tmp_path / "full")
-    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", out, "--trust-checkpoint"]) == 0
+    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", out, "--trust-checkpoint",
+                      "--vocab-file", VOCAB]) == 0
     full, meta = read_full_state(out)
     assert (meta["iteration"], meta["consumed_samples"], meta["lr_num_steps"]) == (3, 12, 3)
     assert meta["model"]["vocab_size"] == 320 and full["embedding.word_embeddings.weight"].shape[0] == 320
@@ -137,8 +141,15 @@ def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
     moments, step = read_full_moments(out)
     assert step == 3 and set(moments) == set(full)
     mout = str(tmp_path / "meg")  # plain Megatron: weights and progress, Adam restarts (no parameter names)
-    assert tool.main(["--load", os.path.join(FIX, "megatron_tp2"), "--save", mout, "--trust-checkpoint"]) == 0
+    assert tool.main(["--load", os.path.join(FIX, "megatron_tp2"), "--save", mout, "--trust-checkpoint",
+                      "--vocab-file", VOCAB]) == 0
     assert read_full_moments(mout) is None and read_full_state(mout)[1]["iteration"] == 3
+    # The recorded vocab path is another machine's: with no vocab given, one line naming --vocab-file.
+    with pytest.raises(ConfigError, match="--vocab-file is needed"):
+        tool.main(["--load", os.path.join(FIX, "megatron_tp2"), "--save", mout, "--trust-checkpoint"])
+    with pytest.raises(ConfigError, match="--vocab-file .*missing.json"):
+        tool.main(["--load", os.path.join(FIX, "megatron_tp2"), "--save", mout, "--trust-checkpoint",
+                   "--vocab-file", str(tmp_path / "missing.json")])
 
 
 def test_layouts_recognised_and_unknown_ones_named(tmp_path):
@@ -212,7 +223,8 @@ def test_resume_with_upstreams_lr_order(tmp_path):
     import tools.convert_megatron_checkpoint as tool
 
     full = str(tmp_path / "full")
-    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", full, "--trust-checkpoint"]) == 0
+    assert tool.main(["--load", os.path.join(FIX, "pp2_zero1"), "--save", full, "--trust-checkpoint",
+                      "--vocab-file", VOCAB]) == 0
     script = tmp_path / "shifted.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n" + SHIFT)
     args = _flags(str(tmp_path / "cache")) + ["--tensor-model-parallel-size", "2", "--load", full,
