@@ -130,6 +130,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCR", "SAMPLES"),
                    help="grow the global batch from START by INCR over SAMPLES samples (needs --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear/cosine: the decay at the first step")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear/cosine: the decay from the last step on")
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="raise the weight decay over the run's samples (constant: --weight-decay)")
     g.add_argument("--clip-grad", type=float, default=None,
                    help="0 disables clipping (default 1.0, or the DeepSpeed JSON's gradient_clipping, as upstream)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -209,6 +215,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
     g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
                    help="single: samples in index order; cyclic: upstream's random order per epoch (seeded by epoch)")
+    g.add_argument("--no-data-sharding", dest="data_sharding", action="store_false",
+                   help="--dataloader-type cyclic: one permutation of all samples, dealt to the DP ranks in turn "
+                        "(default: each rank permutes its own contiguous share), as upstream")
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--per-epoch-doc-shuffle", action="store_true",
                    help="NOT upstream's order: shuffle each epoch's documents on its own (this project's order "
@@ -422,7 +431,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
 def _schedule_fields(args: argparse.Namespace) -> dict:
     """The sample/token schedule flags (absent from parsers that predate them: their defaults)."""
     names = ("lr_warmup_samples", "lr_decay_samples", "lr_warmup_tokens", "lr_decay_tokens",
-             "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+             "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "start_weight_decay",
+             "end_weight_decay", "weight_decay_incr_style")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 

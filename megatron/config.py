@@ -242,6 +242,11 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = None
     lr_decay_iters: int | None = None
     weight_decay: float = 0.01
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    """constant (--weight-decay throughout), or linear / cosine from --start-weight-decay to --end-weight-decay
+    over the run's samples (upstream's OptimizerParamScheduler.get_wd)."""
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -263,8 +268,33 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, the schedule's shape comes from the checkpoint. Neither flag: they must agree."""
 
+    def weight_decay_range(self) -> tuple[float, float]:
+        """(start, end) of the weight decay; both --weight-decay when constant."""
+        if self.weight_decay_incr_style == "constant":
+            return self.weight_decay, self.weight_decay
+        return self.start_weight_decay, self.end_weight_decay
+
+    def _validate_weight_decay(self) -> None:
+        """Upstream's rules (validate_args and the scheduler's assertions), as one line each."""
+        style, start, end = self.weight_decay_incr_style, self.start_weight_decay, self.end_weight_decay
+        if style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"--weight-decay-incr-style {style!r}: choose constant, linear or cosine")
+        given = [f for f, v in (("--start-weight-decay", start), ("--end-weight-decay", end)) if v is not None]
+        if style == "constant":
+            if given:
+                raise ConfigError(f"{' and '.join(given)} with --weight-decay-incr-style constant: a constant decay "
+                                  "is --weight-decay; add --weight-decay-incr-style linear (or cosine) to ramp it")
+            return
+        missing = [f for f in ("--start-weight-decay", "--end-weight-decay") if f not in given]
+        if missing:
+            raise ConfigError(f"--weight-decay-incr-style {style} needs {' and '.join(missing)}")
+        if start < 0 or end < start or start != start or end != end:
+            raise ConfigError(f"--start-weight-decay {start:g} and --end-weight-decay {end:g}: need "
+                              "0 <= start <= end (the decay only increases, as upstream's)")
+
     def validate(self) -> None:
         """Refuse what torch's AdamW would only refuse after the model is built (a traceback, then)."""
+        self._validate_weight_decay()
         if self.optimizer not in ("adam", "sgd"):
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose adam or sgd")
         if self.cpu_optimizer and self.optimizer != "adam":

@@ -235,12 +235,14 @@ def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[st
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter)."""
+    """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter). ``wd_mult`` as
+    upstream's groups: the scheduler sets each group's decay to the schedule's times it."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     return [g for g in groups if g["params"]]
 
 

@@ -83,6 +83,8 @@ BOUNDS: dict[str, Bound] = {
     "lr_warmup_fraction": Bound(0, 1),
     "lr_decay_iters": Bound(1, ITERS),
     "weight_decay": Bound(0, 1),                                       # AdamW scales weights by 1 - lr * wd
+    "start_weight_decay": Bound(0, 1),
+    "end_weight_decay": Bound(0, 1),
     "clip_grad": Bound(0, None, {0: "disables clipping"}, open="lo"),
     "adam_beta1": Bound(0, 1, open="hi"),
     "adam_beta2": Bound(0, 1, open="hi"),

@@ -114,15 +114,9 @@ def write_safetensors(tensors: dict, path: str, metadata: dict | None = None) ->
 def write_bytes(path: str, data: bytes, record: bool = True) -> None:
     """Write, fsync and (unless told not to) record a file through a temporary name: a reader sees the old or
     the new content, never half."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    from megatron.checkpointing.safe_io import fsync_dir
+    from megatron.checkpointing.safe_io import atomic_write_bytes
 
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    atomic_write_bytes(path, data)
     if record:
         _record(path, len(data), digest(data))
 

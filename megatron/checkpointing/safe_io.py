@@ -72,15 +72,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees either the old or the new content, never half."""
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name and fsync both: a reader sees either the old or the
+    new content, never half, even after a crash."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 class SafeCheckpointEngine(TorchCheckpointEngine):

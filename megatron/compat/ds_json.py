@@ -104,16 +104,28 @@ def check_loss_scale_values(cfg: dict, source: str) -> None:
             raise ConfigError(f"{source}: fp16.{key}={value!r} must be a number >= 0")
 
 
+def _wd(o: OptimizerConfig) -> float | str:
+    """The run's weight decay: a number, or its ramp (--weight-decay-incr-style)."""
+    if o.weight_decay_incr_style == "constant":
+        return o.weight_decay
+    return f"{o.weight_decay_incr_style} {o.start_weight_decay:g} -> {o.end_weight_decay:g}"
+
+
+def _wd_text(o: OptimizerConfig) -> str:
+    wd = _wd(o)
+    return wd if isinstance(wd, str) else f"{wd:g}"
+
+
 def run_optimizer(o: OptimizerConfig, offload: bool) -> str:
     """What this run's optimizer is, in the words the JSON would use."""
     if o.cpu_optimizer or offload:
         kind = "torch AdamW" if o.cpu_torch_adam else "DeepSpeedCPUAdam (AdamW mode)"
         return f"{kind} lr={o.lr:g} betas=({o.adam_beta1:g}, {o.adam_beta2:g}) eps={o.adam_eps:g} " \
-               f"weight_decay={o.weight_decay:g}"
+               f"weight_decay={_wd_text(o)}"
     if o.optimizer == "sgd":
-        return f"SGD lr={o.lr:g} momentum={o.sgd_momentum:g} weight_decay={o.weight_decay:g}"
+        return f"SGD lr={o.lr:g} momentum={o.sgd_momentum:g} weight_decay={_wd_text(o)}"
     return f"AdamW lr={o.lr:g} betas=({o.adam_beta1:g}, {o.adam_beta2:g}) eps={o.adam_eps:g} " \
-           f"weight_decay={o.weight_decay:g}"
+           f"weight_decay={_wd_text(o)}"
 
 
 def _same(a, b) -> bool:
@@ -137,12 +149,12 @@ def _optimizer_differences(section: dict, o: OptimizerConfig) -> list[str]:
         w_mode = params.pop("adam_w_mode", True) if kind != "adamw" else True
         if adam and w_mode is not True:
             diffs.append(f"params.adam_w_mode={str(w_mode).lower()} (run: AdamW, decoupled weight decay)")
-        expect = {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps, "weight_decay": o.weight_decay,
+        expect = {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps, "weight_decay": _wd(o),
                   "bias_correction": True, "amsgrad": False}
     elif kind == "sgd":
         if adam:
             diffs.append(f"type={section['type']} (run: AdamW)")
-        expect = {"lr": o.lr, "momentum": o.sgd_momentum, "weight_decay": o.weight_decay, "nesterov": False,
+        expect = {"lr": o.lr, "momentum": o.sgd_momentum, "weight_decay": _wd(o), "nesterov": False,
                   "dampening": 0}
     else:
         diffs.append(f"type={section.get('type')!r} (run: {'AdamW' if adam else 'SGD'})")

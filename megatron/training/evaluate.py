@@ -3,8 +3,9 @@ Megatron-DeepSpeed's ``evaluate_and_print_results``.
 
 The validation split is read by one iterator for the whole run, as upstream's: every evaluation (each
 --eval-interval, then the one at the end) takes the next --eval-iters global batches. A resumed run starts it
-where the straight run would be, ``(iteration // eval_interval) * eval_iters * global_batch_size`` samples in
-(upstream restores the same count from its checkpoint). The test split is read from its start, once.
+where the straight run would be: ``(iteration // eval_interval) * eval_iters * global_batch_size`` samples in,
+or under --rampup-batch-size the sum of each evaluation's draw at its step's batch (upstream restores the same
+count, consumed_valid_samples, from its checkpoint). The test split is read from its start, once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.errors import DataError
 from megatron.training.log import print_rank0
 from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches
+from megatron.training.step import set_num_microbatches
 
 
 def dp_mean(value: float | torch.Tensor, pstate: ParallelState) -> float:
@@ -56,15 +58,17 @@ class Evaluation:
     """The run's validation iterator and its test split; ``periodic`` / ``at_end`` print and log as upstream."""
 
     def __init__(self, engine, run: RunConfig, pstate: ParallelState, forward_step, pipelined: bool, valid_ds,
-                 test_ds, start_iteration: int, logger, batches) -> None:
-        """``batches(dataset, start)``: this DP rank's micro-batches of ``dataset`` from sample ``start`` on."""
+                 test_ds, start_iteration: int, logger, batches, plan) -> None:
+        """``batches(dataset, start)``: this DP rank's micro-batches of ``dataset`` from sample ``start`` on;
+        ``plan``: the run's MicroBatchPlan (the global batch of each step)."""
         self.engine, self.run, self.pstate, self.forward_step = engine, run, pstate, forward_step
         self.pipelined, self.valid_ds, self.test_ds, self.logger = pipelined, valid_ds, test_ds, logger
         self.batches = batches
         t = run.training
         self.on = t.eval_iters > 0
-        self.valid_start = (start_iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        self.valid_start = plan.valid_samples_before(start_iteration, t.eval_interval, t.eval_iters)
         self._valid = None
+        self.losses: dict[int, float] = {}  # iteration -> validation loss of the periodic evaluations
 
     def _data(self, dataset, start: int):
         def endless():  # a split smaller than the draws asked of it (the demo corpus's) starts over, never stops
@@ -82,6 +86,8 @@ class Evaluation:
         return pipe_microbatches(endless()) if self.pipelined else endless()
 
     def _loss(self, data, verbose: bool, num_microbatches: int | None) -> float:
+        if self.pipelined and num_microbatches:  # the pipeline engine's eval_batch runs its accumulation steps
+            set_num_microbatches(self.engine, num_microbatches)
         return evaluate(self.engine, data, self.run, self.pstate, self.forward_step, self.run.training.eval_iters,
                         self.pipelined, verbose, num_microbatches)
 
@@ -93,7 +99,7 @@ class Evaluation:
     def periodic(self, it: int, consumed: int, num_microbatches: int | None = None) -> None:
         """At every --eval-interval during training."""
         if self.on and self.valid_ds is not None and it % self.run.training.eval_interval == 0:
-            loss = self._loss(self._valid_data(), False, num_microbatches)
+            self.losses[it] = loss = self._loss(self._valid_data(), False, num_microbatches)
             self.logger.validation(f"iteration {it}", loss, it, consumed)
 
     def at_end(self, it: int, consumed: int, write_tensorboard: bool,

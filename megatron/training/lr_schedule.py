@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from megatron.errors import CheckpointError, ConfigError
 
 STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -33,6 +34,13 @@ class ScheduleShape:
     style: str
     warmup_tokens: int | None = None
     decay_tokens: int | None = None
+    # Weight decay from start_wd to end_wd over wd_incr_steps samples (upstream's --start-weight-decay,
+    # --end-weight-decay, --weight-decay-incr-style; constant: both are --weight-decay). None: the scheduler
+    # leaves the groups' weight decay as the optimizer has it (a shape built without the flags).
+    start_wd: float | None = None
+    end_wd: float | None = None
+    wd_incr_steps: int = 1
+    wd_incr_style: str = "constant"
 
 
 def schedule_shape(o, t) -> ScheduleShape:
@@ -42,11 +50,14 @@ def schedule_shape(o, t) -> ScheduleShape:
     if t.train_samples is None:  # iteration-based
         decay = (t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters) * gbs
         warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_iters * gbs
+        wd_incr = t.train_iters * gbs
     else:
         decay = t.train_samples if o.lr_decay_samples is None else o.lr_decay_samples
         warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_samples
+        wd_incr = t.train_samples
+    start_wd, end_wd = o.weight_decay_range()
     return ScheduleShape(float(o.lr), o.min_lr, warmup, decay, o.lr_decay_style, o.lr_warmup_tokens,
-                         o.lr_decay_tokens)
+                         o.lr_decay_tokens, start_wd, end_wd, wd_incr, o.weight_decay_incr_style)
 
 
 def _unit(t) -> tuple[str, int]:
@@ -96,6 +107,13 @@ _SHAPE_KEYS = (("max_lr", "max_lr", "--lr"), ("min_lr", "min_lr", "--min-lr"),
                ("lr_decay_steps", "decay_steps", "decay length (samples)"),
                ("lr_decay_tokens", "decay_tokens", "--lr-decay-tokens"),
                ("lr_decay_style", "style", "--lr-decay-style"))
+# Upstream's weight-decay keys, compared only where a state has them (ours before they existed has not). The
+# length is compared only when it is used: a constant decay never reads it (upstream would still refuse a resume
+# with another --train-iters there).
+_WD_KEYS = (("start_wd", "start_wd", "--start-weight-decay (or --weight-decay)"),
+            ("end_wd", "end_wd", "--end-weight-decay (or --weight-decay)"),
+            ("wd_incr_style", "wd_incr_style", "--weight-decay-incr-style"),
+            ("wd_incr_steps", "wd_incr_steps", "weight-decay length (samples: --train-iters x global batch)"))
 # Older spellings upstream still reads (first found wins), and ours before the samples-based schedule.
 _ALIASES = {"max_lr": ("start_lr", "max_lr"), "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
             "lr_warmup_tokens": ("warmup_tokens", "lr_warmup_tokens"),
@@ -128,6 +146,13 @@ def shape_mismatches(shape: ScheduleShape, sd: dict) -> list[str]:
             continue
         if mine != saved:
             out.append(f"{name} {saved} in the checkpoint, {mine} from the flags")
+    if "start_wd" in sd and shape.start_wd is not None:
+        for key, attr, name in _WD_KEYS:
+            if key == "wd_incr_steps" and shape.wd_incr_style == "constant" == sd.get("wd_incr_style"):
+                continue
+            mine, saved = getattr(shape, attr), sd[key]
+            if mine != saved:
+                out.append(f"{name} {saved} in the checkpoint, {mine} from the flags")
     return out
 
 
@@ -150,7 +175,8 @@ def check_resume_schedule(saved: dict | None, run, where: str) -> None:
 
 
 class OptimizerParamScheduler:
-    """Upstream's scheduler (learning rate only: the weight decay stays --weight-decay). DeepSpeed calls
+    """Upstream's scheduler: the learning rate and the weight decay of every parameter group (times the group's
+    ``lr_mult`` / ``wd_mult``, as upstream's groups carry them). DeepSpeed calls
     ``step(increment=...)`` with the global batch of the step (``lr_kwargs``; the pipeline engine, which passes
     none, falls back to ``step(train_batch_size())``, the same number). The trainer keeps ``consumed_tokens``
     current, as upstream's ``args.consumed_train_tokens``."""
@@ -165,6 +191,15 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps, self.lr_decay_steps = shape.warmup_steps, shape.decay_steps
         self.lr_warmup_tokens, self.lr_decay_tokens = shape.warmup_tokens, shape.decay_tokens
         self.lr_decay_style = shape.style
+        if shape.wd_incr_style not in WD_STYLES:
+            raise ConfigError(f"--weight-decay-incr-style {shape.wd_incr_style!r}: choose one of "
+                              f"{', '.join(WD_STYLES)}")
+        self.start_wd, self.end_wd = shape.start_wd, shape.end_wd
+        self.wd_incr_steps, self.wd_incr_style = shape.wd_incr_steps, shape.wd_incr_style
+        # Each group's multiplier, by position: a restored optimizer state replaces the group dicts (and one
+        # written before groups carried ``wd_mult`` would otherwise decay biases and norms).
+        self.wd_mults = [float(g.get("wd_mult", 1.0)) for g in optimizer.param_groups]
+        self.current_wd = self.start_wd
         self.override, self.use_checkpoint = override, use_checkpoint
         self.seq_length = seq_length
         self.legacy_samples_per_step = legacy_samples_per_step
@@ -211,6 +246,14 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
+    def get_wd(self) -> float:
+        """The weight decay at the current position (upstream's get_wd)."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd  # constant: start == end
+        ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     def step(self, increment: int, token_num: int | None = None) -> None:
         """Move on by ``increment`` samples; ``token_num``: the tokens consumed before this step (default: the
         trainer's count)."""
@@ -222,28 +265,34 @@ class OptimizerParamScheduler:
         self._apply(self.get_lr())
 
     def _apply(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
+        self.current_wd = wd = None if self.start_wd is None else self.get_wd()
+        for i, g in enumerate(self.optimizer.param_groups):
             g["lr"] = lr * g.get("lr_mult", 1.0)
+            if wd is not None:
+                g["wd_mult"] = mult = self.wd_mults[i] if i < len(self.wd_mults) else 1.0
+                g["weight_decay"] = wd * mult
 
     @property
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     def apply_schedule(self) -> None:
-        """Write the schedule's lr for the next update into the optimizer, over whatever a restored
-        optimizer state put there."""
+        """Write the schedule's lr and weight decay for the next update into the optimizer, over whatever a
+        restored optimizer state put there."""
         self._apply(self.get_lr())
 
     def shape(self) -> ScheduleShape:
         return ScheduleShape(self.max_lr, self.min_lr, self.lr_warmup_steps, self.lr_decay_steps,
-                             self.lr_decay_style, self.lr_warmup_tokens, self.lr_decay_tokens)
+                             self.lr_decay_style, self.lr_warmup_tokens, self.lr_decay_tokens, self.start_wd,
+                             self.end_wd, self.wd_incr_steps, self.wd_incr_style)
 
     def state_dict(self) -> dict:
-        """Upstream's keys (its weight-decay keys aside), so either side reads the other's."""
+        """Upstream's keys, so either side reads the other's."""
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
                 "lr_warmup_tokens": self.lr_warmup_tokens, "lr_decay_steps": self.lr_decay_steps,
                 "lr_decay_tokens": self.lr_decay_tokens, "lr_decay_style": self.lr_decay_style,
-                "num_steps": self.num_steps, "num_tokens": self.num_tokens}
+                "num_steps": self.num_steps, "num_tokens": self.num_tokens, "start_wd": self.start_wd,
+                "end_wd": self.end_wd, "wd_incr_style": self.wd_incr_style, "wd_incr_steps": self.wd_incr_steps}
 
     def load_state_dict(self, sd: dict) -> None:
         if is_legacy_state(sd):
@@ -259,6 +308,9 @@ class OptimizerParamScheduler:
                 raise CheckpointError(mismatch_message("(checkpoint)", mismatches))
             for key, _, _ in _SHAPE_KEYS:  # upstream: the checkpoint's values (equal to the flags' unless told)
                 setattr(self, key, saved_shape_value(sd, key))
+            if "start_wd" in sd:
+                for key, _, _ in _WD_KEYS:
+                    setattr(self, key, sd[key])
         elif self.lr_warmup_tokens is None and self.lr_decay_tokens is not None:
             self.lr_warmup_tokens = saved_shape_value(sd, "lr_warmup_tokens")  # recorded, not a flag's value
         self.max_lr = float(self.max_lr)

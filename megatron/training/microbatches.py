@@ -74,6 +74,19 @@ class MicroBatchPlan:
             done += 1
         return consumed_samples + (iterations - done) * self.global_batch_size
 
+    def valid_samples_before(self, iteration: int, eval_interval: int, eval_iters: int) -> int:
+        """Validation samples the evaluations up to ``iteration`` drew: each takes --eval-iters batches of the
+        global batch of the step just done (upstream evaluates with that step's micro-batch count). Upstream
+        keeps this count in its checkpoint (consumed_valid_samples); a straight run reaches the same."""
+        if self.rampup is None:
+            return (iteration // eval_interval) * eval_iters * self.global_batch_size
+        total, consumed, done = 0, 0, 0
+        for k in range(1, iteration // eval_interval + 1):
+            consumed = self.samples_after(k * eval_interval - 1 - done, consumed)
+            done = k * eval_interval - 1
+            total += eval_iters * self.global_batch(consumed)
+        return total
+
     def train_iters(self, train_samples: int) -> int:
         """Iterations of a --train-samples run, as upstream's update_train_iters: with a ramp, every step
         while the consumed count is at most SAMPLES, then whole final batches (a partial last one is dropped)."""

@@ -136,7 +136,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                                                t.eval_interval, t.eval_iters)
     train_ds, valid_ds, test_ds = (*providers.datasets(args, run, num_samples), None)[:3]
     mbs, dp = t.micro_batch_size, pstate.dp
-    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed}
+    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed,
+               "data_sharding": getattr(args, "data_sharding", True)}
     # SP peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence.
     train_data = sequence_slices(microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading),
                                  pstate.sp)
@@ -155,7 +156,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
                             resume.iteration, logger,
                             lambda ds, start: sequence_slices(microbatches(ds, start, mbs, dp.rank, dp.size, **loading),
-                                                              pstate.sp))
+                                                              pstate.sp), plan)
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
@@ -225,12 +226,16 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
         save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
     final = {}
+    # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
+    # set under --skip-train): they differ when a ramp step falls on the last iteration.
+    end_micro = n_micro if it > resume.iteration else plan.global_batch(consumed) // (mbs * dp.size)
     if not (decision and decision.exit):  # upstream exits (sys.exit) on these before its final evaluation
         final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train,
-                                  num_microbatches=plan.global_batch(consumed) // (mbs * dp.size))
+                                  num_microbatches=end_micro)
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
             "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
-            "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final}
+            "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final,
+            "valid_losses": evaluation.losses}

@@ -4,7 +4,8 @@ over DP=2 and with DeepSpeed's pipeline engine (PP=2, ZeRO-1):
 1. the ramp's global batches and every applied / printed lr are upstream's (tests/fixtures/lr_schedule, case
    "rampup-cosine", from upstream's own calculator and scheduler);
 2. a run stopped in the middle of the ramp (--exit-interval) and resumed is bit-exact against the straight run
-   (losses, lrs, batches, consumed samples): the data order and the LR position survive the checkpoint;
+   (losses, lrs, batches, consumed samples, validation losses): the data order, the validation stream's
+   position (each evaluation draws at its step's batch) and the LR position survive the checkpoint;
 3. a ramp step of n micro-batches is the update DeepSpeed makes with n accumulation steps configured up front:
    the ramp's first steps (4 of 8 samples) equal a constant --global-batch-size 4 run bit for bit.
 """
@@ -33,6 +34,7 @@ def _runs(root: str, ports: list[int], ramp_flags: list[str], layout: list[str])
         return _pretrain(TINY + layout + argv)
 
     save = f"{root}/ckpt"
+    ramp_flags = ramp_flags + ["--eval-iters", "1", "--eval-interval", "2"]
     out = {"straight": run(ramp_flags), "first": run(ramp_flags + ["--exit-interval", str(STOP), "--save", save]),
            "resumed": run(ramp_flags + ["--load", save])}
     const = ["--lr", "1e-3", "--lr-decay-style", "constant", "--micro-batch-size", "1"]
@@ -62,11 +64,12 @@ def test_rampup_resume_mid_ramp_is_exact_and_upstreams(tmp_path, layout):
     assert straight["consumed_samples"] == case["states"][-1]["consumed_samples"]
     assert first["exit_reason"] == f"--exit-interval {STOP}" and list(first["losses"]) == list(range(1, STOP + 1))
     assert 2 < case["global_batch"][STOP] < case["global_batch"][-1]  # the resume is in the middle of the ramp
-    for key in ("losses", "lrs", "printed_lrs", "batch_sizes"):
+    for key in ("losses", "lrs", "printed_lrs", "batch_sizes", "valid_losses"):
         assert resumed[key] == {i: v for i, v in straight[key].items() if i > STOP}, key
     assert first["losses"] == {i: v for i, v in straight["losses"].items() if i <= STOP}
     assert resumed["consumed_samples"] == straight["consumed_samples"] and resumed["iterations"] == n
     assert len(set(straight["losses"].values())) == n  # the model learns: equality is not trivial
+    assert len(straight["valid_losses"]) == n // 2 and resumed["valid_losses"]
     # A ramp step with 2 micro-batches per rank == a step of an engine configured for 2 from the start.
     assert [out["ramp4"]["batch_sizes"][i] for i in range(1, 6)] == [4, 4, 4, 4, 8]
     assert {i: out["ramp4"]["losses"][i] for i in range(1, 5)} == out["const4"]["losses"]

@@ -32,7 +32,10 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=3,
                                 zero_hierarchy=levels if ours else None, zero_hierarchy_weights=weights,
                                 zero_hierarchy_int8=mode == "ours-int8"),
-        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
+        # A weight decay ramped 0.1 -> 1.0 (--weight-decay-incr-style): the engine applies the decay itself,
+        # and one stuck at 0.1 moves the losses ~9x the tolerance (test_zero.py checks that margin).
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5,
+                                  weight_decay_incr_style="linear", start_weight_decay=0.1, end_weight_decay=1.0),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=steps, seed=5),
         precision=PrecisionConfig(bf16=bf16),
     ).validate()

@@ -8,7 +8,7 @@ from tests.launcher import run_distributed
 STEPS, GBS, MBS = 10, 4, 1
 
 
-def _run_config(dp, tp, zero):
+def _run_config(dp, tp, zero, wd_style="linear", wd_start=0.1, wd_end=1.0):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
     from megatron.model.sizes import named_model
 
@@ -17,8 +17,12 @@ def _run_config(dp, tp, zero):
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=dp * tp, tensor_model_parallel_size=tp, zero_stage=zero),
-        # lr and clip chosen so that clipping is active: a wrong TP grad-norm would show.
-        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
+        # lr and clip chosen so that clipping is active: a wrong TP grad-norm would show. The weight decay ramps
+        # (--weight-decay-incr-style linear 0.1 -> 1.0): a layout whose optimizer missed the schedule's decay
+        # would show too (test_the_weight_decay_ramp_is_visible_in_the_losses).
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5,
+                                  weight_decay_incr_style=wd_style, start_weight_decay=wd_start,
+                                  end_weight_decay=wd_end, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
     ).validate()
 
@@ -63,6 +67,16 @@ def _worker(stages, tp):
 
     initialize_distributed("gloo")
     return {z: _train(tp, z) for z in stages}
+
+
+def test_the_weight_decay_ramp_is_visible_in_the_losses():
+    """The ramped decay moves the reference losses well beyond _check's tolerance from a constant 0.1, so a
+    layout that kept the constant decay (or none) fails there."""
+    from tests.reference import reference_losses as plain
+
+    const = plain(_run_config(1, 1, 0, "constant", None, None), STEPS, dataset_size=1000)
+    ramp = reference_losses()
+    assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(ramp, const, strict=True)) > 5e-5
 
 
 def _check(results, ref, tol=1e-5):

@@ -33,20 +33,24 @@ def _run(case: dict, extra=()):
 
 
 def _scheduler(run):
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    # Our two groups (megatron/engine.py param_groups): decayed, and biases/norms (wd_mult 0), as upstream's.
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 1.0},
+                           {"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 0.0}], lr=0.0)
     return OptimizerParamScheduler.from_run(opt, run)
 
 
 def _train(run, sched, start_iter: int = 0, consumed: int = 0) -> dict:
-    """Per iteration after ``start_iter``: the lr applied, the lr printed, the global batch."""
+    """Per iteration after ``start_iter``: the lr applied, the lr printed, the global batch, each group's
+    weight decay during the update."""
     t, seq, plan = run.training, run.model.seq_length, micro_batch_plan(run)
-    out = {"applied": [], "printed": [], "global_batch": []}
+    out = {"applied": [], "printed": [], "global_batch": [], "applied_weight_decay": []}
     for _ in range(start_iter, t.train_iters):
         if t.train_tokens is not None and consumed * seq >= t.train_tokens:
             break
         sched.consumed_tokens = consumed * seq
         gbs = plan.global_batch(consumed)
         out["applied"].append(sched.current_lr)
+        out["applied_weight_decay"].append([g["weight_decay"] for g in sched.optimizer.param_groups])
         sched.step(increment=gbs)  # what DeepSpeed's engine.step(lr_kwargs=...) does at the boundary
         consumed += gbs
         out["printed"].append(sched.current_lr)
@@ -58,7 +62,8 @@ def test_fixture_covers_every_style_and_form():
     flags = " ".join(" ".join(c["flags"]) for c in CASES.values())
     for needed in ("cosine", "linear", "inverse-square-root", "constant", "--lr-warmup-fraction", "--train-samples",
                    "--lr-warmup-samples", "--lr-decay-samples", "--lr-warmup-tokens", "--lr-decay-tokens",
-                   "--train-tokens", "--rampup-batch-size", "--min-lr"):
+                   "--train-tokens", "--rampup-batch-size", "--min-lr", "--weight-decay-incr-style linear",
+                   "--weight-decay-incr-style cosine"):
         assert needed in flags, needed
     assert UPSTREAM["upstream_commit"] == "4efb479d5317ce9b86096b9d8e3e8030b0b5263b"
 
@@ -73,6 +78,7 @@ def test_straight_run_matches_upstream(name):
     assert got["global_batch"] == case["global_batch"]
     assert got["applied"] == case["applied"]  # exact: the same formulas in the same order
     assert got["printed"] == case["printed"]
+    assert got["applied_weight_decay"] == case["applied_weight_decay"]
     assert got["applied"][0] == 0.0 or "--lr-warmup" not in " ".join(case["flags"])  # upstream's first update
 
 
@@ -97,6 +103,7 @@ def test_resumed_run_matches_upstream(name, source):
     got = _train(run, resumed, start_iter=k, consumed=consumed)
     assert got["applied"] == case["applied"][k:]
     assert got["printed"] == case["printed"][k:]
+    assert got["applied_weight_decay"] == case["applied_weight_decay"][k:]
 
 
 @pytest.mark.parametrize("table", UPSTREAM["ramps"], ids=lambda r: "-".join(map(str, r["rampup"])))
@@ -147,6 +154,11 @@ REFUSED = {  # upstream asserts (or fails later) on each of these; here one line
     "override and use-checkpoint": ["--train-iters", "10", "--override-opt_param-scheduler",
                                     "--use-checkpoint-opt_param-scheduler"],
     "decay length 0": ["--train-iters", "10", "--lr-decay-iters", "0"],
+    "start wd without a style": ["--train-iters", "10", "--start-weight-decay", "0.1"],
+    "wd style without its ends": ["--train-iters", "10", "--weight-decay-incr-style", "linear",
+                                  "--end-weight-decay", "0.1"],
+    "wd decreasing": ["--train-iters", "10", "--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.1",
+                      "--end-weight-decay", "0.01"],
 }
 
 
@@ -174,3 +186,26 @@ def test_upstream_state_with_other_flags_is_refused_unless_told():
     new = _scheduler(_run(changed, ["--override-opt_param-scheduler"]))
     new.load_state_dict(state)
     assert new.lr_decay_steps == 80 and new.num_steps == 24
+
+
+def test_weight_decay_schedule_checked_on_resume_as_upstream():
+    """A wd ramp resumed with other ends is refused as upstream's _check_and_set refuses it; a constant decay's
+    length (--train-iters x batch, never read) may change; a state without wd keys (ours before them) loads."""
+    case = CASES["wd-linear-iters"]
+    state = case["states"][3]["scheduler"]
+    flags = [f if f != "0.1" else "0.2" for f in case["flags"]]  # --end-weight-decay 0.2
+    changed = {"flags": flags, "data_parallel_size": case["data_parallel_size"]}
+    with pytest.raises(CheckpointError, match="--end-weight-decay \\(or --weight-decay\\) 0.1 in the checkpoint"):
+        _scheduler(_run(changed)).load_state_dict(state)
+    kept = _scheduler(_run(changed, ["--use-checkpoint-opt_param-scheduler"]))
+    kept.load_state_dict(state)
+    assert kept.end_wd == 0.1 and kept.current_wd == case["applied_weight_decay"][4][0]
+    const = CASES["iters-cosine"]
+    longer = [f if f != "12" else "16" for f in const["flags"]]  # --train-iters 16: another wd length
+    sched = _scheduler(_run({"flags": longer, "data_parallel_size": const["data_parallel_size"]}))
+    sched.load_state_dict(const["states"][5]["scheduler"])
+    assert sched.current_wd == 0.01 and sched.optimizer.param_groups[1]["weight_decay"] == 0.0
+    old = {k: v for k, v in const["states"][5]["scheduler"].items() if "wd" not in k}
+    fresh = _scheduler(_run(const))
+    fresh.load_state_dict(old)
+    assert fresh.current_lr == const["printed"][5]

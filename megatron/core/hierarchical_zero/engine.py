@@ -148,7 +148,8 @@ class HierarchicalZeroEngine:
         self.master = nn.Parameter(flat[gidx].clone())  # [N_pad / DP] fp32
         if dtype != torch.float32:
             model.to(dtype)  # after the fp32 master copy was taken from the fp32 initial weights
-        self.optimizer = optimizer_factory([{"params": [self.master], "weight_decay": 0.0}])
+        # The decay is applied here, masked to Megatron's split: the optimizer's own is off (wd_mult 0).
+        self.optimizer = optimizer_factory([{"params": [self.master], "weight_decay": 0.0, "wd_mult": 0.0}])
         self.weight_decay = float(self.optimizer.defaults.get("weight_decay", 0.0))
         self.lr_scheduler = scheduler_factory(self.optimizer)
         for b in self.buckets:
@@ -264,8 +265,11 @@ class HierarchicalZeroEngine:
             b.acc.zero_()
         self._norm = self._clip(grad)
         lr = self.optimizer.param_groups[0]["lr"]
+        # The schedule's decay for this step (--weight-decay-incr-style), else the optimizer's constant one.
+        wd = getattr(self.lr_scheduler, "current_wd", None)
+        wd = self.weight_decay if wd is None else wd
         with torch.no_grad():  # AdamW's decoupled decay, masked to Megatron's split (applied first, as torch does)
-            factor = torch.ones_like(self.master).masked_fill_(self.decay_mask, 1 - lr * self.weight_decay)
+            factor = torch.ones_like(self.master).masked_fill_(self.decay_mask, 1 - lr * wd)
             self.master.mul_(factor)
         self.master.grad = grad
         self.optimizer.step()

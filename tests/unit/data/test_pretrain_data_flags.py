@@ -1,5 +1,6 @@
 """pretrain() honours the data-loading flags: the sample counts it asks for are upstream's, --num-workers,
---dataloader-type and --per-epoch-doc-shuffle reach the loaders and datasets, and validation reads one stream for
+--dataloader-type, --no-data-sharding and --per-epoch-doc-shuffle reach the loaders and datasets (the orders they
+give are upstream's: test_upstream_order.py), and validation reads one stream for
 the whole run."""
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
             "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "corpus_a"),
             "--split", "90,7,3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
             "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic",
-            "--num-workers", "1", "--per-epoch-doc-shuffle"]
+            "--num-workers", "1", "--per-epoch-doc-shuffle", "--no-data-sharding"]
     out = run_distributed(_pretrain_recording, 1, timeout=240, argv=argv)[0]
     assert out["iterations"] == 4
     # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.
     assert out["asked"] == [(16, 12, 4)]
     train, valid, test = out["calls"]  # one validation stream for the whole run, then the test split once
-    loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7}
+    loading = {"num_workers": 1, "dataloader_type": "cyclic", "seed": 7, "data_sharding": False}
     assert train == {"consumed": 0, "len": train["len"], "per_epoch": True, **loading}
     assert (valid["consumed"], test["consumed"]) == (0, 0) and valid["len"] != test["len"]
     assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in (valid, test))
