@@ -114,6 +114,27 @@ def test_micro_batch_plan_matches_upstream_calculator(table):
     assert [plan.global_batch(c) for c in range(n)] == table["current_global_batch"]
     assert [plan.num_microbatches(c) for c in range(n)] == table["num_microbatches"]
     assert {s: plan.train_iters(int(s)) for s in table["train_iters"]} == table["train_iters"]
+
+
+@pytest.mark.parametrize("table", UPSTREAM["ramps"], ids=lambda r: "-".join(map(str, r["rampup"])))
+def test_validation_position_after_a_resume_is_the_straight_runs(table):
+    """Upstream's straight run, from its calculator's batches: each evaluation (every eval_interval iterations)
+    draws eval_iters batches of the step just done. A run resumed at any iteration starts its validation stream
+    at that count (upstream restores it as consumed_valid_samples)."""
+    plan = MicroBatchPlan(table["global_batch_size"], table["micro_batch_size"], table["data_parallel_size"],
+                          tuple(table["rampup"]))
+    upstream_batch, final = table["current_global_batch"], table["global_batch_size"]
+    fixed_formula_off = False
+    for eval_interval, eval_iters in ((1, 1), (3, 2), (5, 4)):
+        consumed = drawn = 0
+        for it in range(1, 60):
+            gbs = upstream_batch[consumed] if consumed < len(upstream_batch) else final
+            consumed += gbs
+            if it % eval_interval == 0:
+                drawn += eval_iters * gbs
+            assert plan.valid_samples_before(it, eval_interval, eval_iters) == drawn, (eval_interval, it)
+            fixed_formula_off |= drawn != (it // eval_interval) * eval_iters * final
+    assert fixed_formula_off  # the ramp changes the count: the fixed-batch formula would resume elsewhere
     steps = list(itertools.islice(plan.positions(), 40))
     assert [plan.samples_after(i + 1) for i in range(40)] == steps
     assert plan.samples_after(3, steps[4]) == steps[7]
