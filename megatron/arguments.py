@@ -242,6 +242,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-checkpoint", action="store_true",
                    help="--load of an upstream Megatron(-DeepSpeed) checkpoint: unpickle its Python objects (args, "
                         "RNG); only for checkpoints from a trusted place")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="--load is an upstream run's DeepSpeed universal checkpoint (ds_to_universal.py; "
+                        "'latest_universal' names it): resumed at any TP/PP/ZeRO layout")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: a directory without a checkpoint is an error instead of a fresh start")
     g.add_argument("--finetune", action="store_true",

@@ -1,6 +1,7 @@
 """Convert a checkpoint written by upstream Megatron-DeepSpeed (``global_stepN/``: ZeRO-0/1/2, with or without its
-pipeline layout) or by plain Megatron (``iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt``) into a full-state
-directory (model.safetensors + full_state.json) that ``pretrain_gpt.py --load`` reads at any TP/PP/ZeRO layout.
+pipeline layout, or DeepSpeed's universal form of one: ``global_stepN_universal/``) or by plain Megatron
+(``iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt``) into a full-state directory (model.safetensors +
+full_state.json) that ``pretrain_gpt.py --load`` reads at any TP/PP/ZeRO layout.
 
 Carried over: weights (vocabulary rows cut to the tokenizer's size), Adam moments where the files map them to
 parameters (DeepSpeed ZeRO-1/2; ZeRO-0 without pipeline), iteration, consumed samples, LR position. Not carried:
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     print(f"> read {found.kind} checkpoint {found.path}: {upstream.describe(conv)}")
     print(f"> Adam moments (step {conv.optimizer_step}) carried over" if moments else
           f"> Adam moments not carried ({conv.optimizer_note or '--no-optimizer'}): they restart")
-    if conv.padded_vocab_size > vocab:
+    if conv.padded_vocab_size > vocab and found.kind != "universal":  # a universal one keeps no padding rows
         print(f"> upstream padded the vocabulary to {conv.padded_vocab_size} rows (its padding rows were trained "
               "into the softmax and are dropped here); the loss equals upstream's when the loading run pads to "
               f"{vocab} rows or accepts that shift (--make-vocab-size-divisible-by x TP)")
@@ -104,6 +105,11 @@ def _find(load: str, iteration: int | None):
                 return upstream.Found(kind, path, iteration)
         raise CheckpointError(f"--load {load} has neither global_step{iteration}/ nor iter_{iteration:07d}/")
     base = os.path.basename(os.path.normpath(load))
+    if base.startswith("global_step") and base.endswith("_universal"):  # one universal checkpoint's directory
+        digits = "".join(c for c in base if c.isdigit())
+        return upstream.Found("universal", load, int(digits) if digits else 0)
+    if os.path.isfile(os.path.join(load, "latest_universal")) and not os.path.isfile(os.path.join(load, "latest")):
+        return upstream.find(load, universal=True)
     if base.startswith("global_step") or base.startswith("iter_") or base == "release":  # one iteration's directory
         kind = "megatron" if not base.startswith("global_step") else "deepspeed"
         digits = "".join(c for c in base if c.isdigit())

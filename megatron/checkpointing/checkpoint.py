@@ -71,12 +71,15 @@ class CheckpointSettings:
     """--trust-checkpoint: unpickle an upstream Megatron(-DeepSpeed) checkpoint's Python objects (upstream.py)."""
     verify: str = "full"
     """--verify-checkpoint: check the files of --load against their manifest (full: sizes and checksums)."""
+    universal_checkpoint: bool = False
+    """--universal-checkpoint: --load is DeepSpeed's universal form of an upstream checkpoint ('latest_universal')."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
         s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
                 args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints,
-                bool(getattr(args, "trust_checkpoint", False)), getattr(args, "verify_checkpoint", "full"))
+                bool(getattr(args, "trust_checkpoint", False)), getattr(args, "verify_checkpoint", "full"),
+                bool(getattr(args, "universal_checkpoint", False)))
         if s.keep_last is not None and s.keep_last < 1:
             raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
         if s.save_interval is not None and s.save_interval < 1:

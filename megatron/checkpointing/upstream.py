@@ -53,7 +53,8 @@ TRUST_HINT = "pass --trust-checkpoint to unpickle it if you trust where it came 
 
 @dataclass
 class Found:
-    kind: str  # "deepspeed" (Megatron-DeepSpeed global_stepN/) or "megatron" (iter_NNNNNNN/)
+    kind: str  # "deepspeed" (Megatron-DeepSpeed global_stepN/), "universal" (DeepSpeed's ds_to_universal.py
+    # output, upstream_universal.py) or "megatron" (iter_NNNNNNN/)
     path: str  # the iteration's directory
     iteration: int
 
@@ -75,8 +76,13 @@ class Converted:
 
 
 # ----------------------------------------------------------------------------------------------- recognising
-def find(load: str) -> Found | None:
-    """The upstream checkpoint ``--load`` names, or None when the directory is not one (ours, empty, unknown)."""
+def find(load: str, universal: bool = False) -> Found | None:
+    """The upstream checkpoint ``--load`` names, or None when the directory is not one (ours, empty, unknown).
+    ``universal`` (--universal-checkpoint): the one ``latest_universal`` names, as upstream loads it."""
+    if universal:
+        from megatron.checkpointing import upstream_universal
+
+        return upstream_universal.find(load)
     tag = _read(os.path.join(load, "latest"))
     if tag is not None:  # DeepSpeed's marker: upstream's global_stepN/ has no megatron_meta.json, ours has
         if "/" not in tag and _is_ds_dir(os.path.join(load, tag)):
@@ -215,6 +221,11 @@ def _pipe_roles(files: list[str]) -> dict[int, str]:
     for f in files:
         idx = int(_LAYER_FILE.match(os.path.basename(f)).group(1))
         keys.setdefault(idx, set()).update(safe_load(f, mmap=True).keys())
+    return roles_from_keys(keys)
+
+
+def roles_from_keys(keys: dict[int, set[str]]) -> dict[int, str]:
+    """Pipeline layer index -> role, from the parameter names (within the layer) each index holds."""
     roles, n = {}, 0
     for idx in sorted(keys):
         k = keys[idx]
@@ -262,6 +273,10 @@ def read(found: Found, trust: bool, with_optimizer: bool = True) -> Converted:
     """The whole checkpoint ``found`` in our names (collective-free: every rank may call it)."""
     if found.kind == "deepspeed":
         return _read_deepspeed(found, trust, with_optimizer)
+    if found.kind == "universal":
+        from megatron.checkpointing import upstream_universal
+
+        return upstream_universal.read(found, trust, with_optimizer)
     return _read_megatron(found, trust)
 
 
@@ -273,7 +288,7 @@ def header(found: Found, trust: bool) -> tuple[dict, int, int]:
 
 def first_args(found: Found, trust: bool) -> dict:
     """Upstream's parsed flags (``args``) as a dict, from the first model file."""
-    if found.kind == "deepspeed":
+    if found.kind in ("deepspeed", "universal"):
         names = sorted(f for f in os.listdir(found.path) if _MP_FILE.match(f))
         if not names:
             raise CheckpointError(f"checkpoint {found.path} has no mp_rank_XX_model_states.pt: the run's state is "

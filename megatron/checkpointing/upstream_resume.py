@@ -1,4 +1,5 @@
-"""``--load`` of an upstream Megatron-DeepSpeed ``global_stepN/`` or plain Megatron ``iter_NNNNNNN/`` checkpoint:
+"""``--load`` of an upstream Megatron-DeepSpeed ``global_stepN/`` (or, with ``--universal-checkpoint``, DeepSpeed's
+universal form of one) or plain Megatron ``iter_NNNNNNN/`` checkpoint:
 its preflight check (before any process group) and the load into the model (before deepspeed.initialize).
 
 The checkpoint is read whole (upstream.py: every TP/PP file, merged into our names), then each rank copies its
@@ -28,6 +29,9 @@ _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".distcp")
 
 def unknown_layout_message(load: str) -> str | None:
     """One line for a ``--load`` directory that holds checkpoint-like entries in no layout we read, else None."""
+    if os.path.isfile(os.path.join(load, "latest_universal")) and not os.path.isfile(os.path.join(load, "latest")):
+        return (f"--load {load} holds a DeepSpeed universal checkpoint ('latest_universal'): add "
+                "--universal-checkpoint to load it, as upstream does")
     for name in sorted(os.listdir(load)):
         if name.startswith(".") or ".tmp-" in name or ".old-" in name:
             continue  # our interrupted saves: never loaded, cleaned up by the next save
@@ -43,7 +47,7 @@ def unknown_layout_message(load: str) -> str | None:
 def check_upstream(settings, run) -> bool:
     """Preflight: True when ``--load`` is an upstream checkpoint that this run can resume (shapes checked from its
     first model file; its pickles need --trust-checkpoint), False when it is not one; raises in one line otherwise."""
-    found = upstream.find(settings.load)
+    found = upstream.find(settings.load, settings.universal_checkpoint)
     if found is None:
         return False
     _check(*upstream.header(found, settings.trust_checkpoint), run, settings.load)
@@ -68,7 +72,7 @@ def load_upstream(model, run, pstate, settings):
     from megatron.checkpointing.checkpoint import Resume
 
     optim = not (settings.finetune or settings.no_load_optim)
-    found = upstream.find(settings.load)
+    found = upstream.find(settings.load, settings.universal_checkpoint)
     if found is None:
         return None
     conv = upstream.read(found, settings.trust_checkpoint, with_optimizer=optim)

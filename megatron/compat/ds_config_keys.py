@@ -134,7 +134,8 @@ _put(REFUSED, "DeepSpeed casts parameters/buffers itself with it; precision come
      "data_types.param_dtype", "data_types.buffer_dtype", "data_types.keep_in_fp32_modules")
 _put(HONOURED, _PASS, "checkpoint", "checkpoint.tag_validation", "checkpoint.use_node_local_storage",
      "checkpoint.parallel_write", "checkpoint.checkpoint_serialization", "checkpoint.writer")
-_put(REFUSED, "universal checkpoints are not loaded through DeepSpeed here: drop it (tools/ convert checkpoints)",
+_put(REFUSED, "a universal checkpoint is loaded by --universal-checkpoint (upstream's flag, which sets this key "
+              "for DeepSpeed): drop the key and pass the flag",
      "checkpoint.load_universal")
 
 # --- provable no-ops ---

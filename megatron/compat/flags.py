@@ -204,7 +204,6 @@ REFUSALS: dict[str, Refused] = {
     "--wandb-exp-name": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR"),
     # checkpoints
     "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
-    "--universal-checkpoint": Refused("convert with tools/reshard_checkpoint.py, then --load the full state"),
     "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
 }
 

@@ -44,7 +44,7 @@ def _flags(data_cache: str) -> list[str]:
 
 LAYOUT_FLAGS = {"tp2_zero1": ["--tensor-model-parallel-size", "2"],
                 "pp2_zero1": ["--pipeline-model-parallel-size", "2"],
-                "megatron_tp2": ["--tensor-model-parallel-size", "2", "--clip-grad", "0"]}
+                "megatron_tp2": ["--tensor-model-parallel-size", "2", "--clip-grad", "0"], "dp2": []}
 
 
 def _schedule_at_parity() -> bool:
@@ -165,6 +165,46 @@ def test_layouts_recognised_and_unknown_ones_named(tmp_path):
     assert "global_step5" in unknown_layout_message(str(tmp_path))
 
 
+@pytest.mark.parametrize("layout,universal", [("tp2_zero1", "universal_tp2"), ("pp2_zero1", "universal_pp2")])
+def test_universal_checkpoint_reads_as_the_global_step_it_came_from(layout, universal):
+    """DeepSpeed's ds_to_universal.py output of upstream's global_step3 (fixtures/upstream_ckpt/make_universal.py)
+    reads to the same weights, Adam moments and progress as global_step3 itself; only the vocabulary padding
+    rows (TP=2 pads 320 tokens to 384) come back as zeros, as DeepSpeed's universal loader pads them."""
+    from megatron.checkpointing import upstream
+
+    plain = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
+    uni_found = upstream.find(os.path.join(FIX, universal), universal=True)
+    assert (uni_found.kind, os.path.basename(uni_found.path)) == ("universal", "global_step3_universal")
+    uni = upstream.read(uni_found, trust=True)
+    for key in ("iteration", "consumed_samples", "lr_num_steps", "optimizer_step", "padded_vocab_size", "layout",
+                "model"):
+        assert getattr(uni, key) == getattr(plain, key), key
+    assert set(uni.weights) == set(plain.weights) and uni.moments and set(uni.moments) == set(plain.moments)
+    vocab, padded = 320, plain.padded_vocab_size
+    for name, t in plain.weights.items():
+        u, rows = uni.weights[name], vocab if name in upstream.VOCAB_PARAMS else None
+        assert torch.equal(u[:rows], t[:rows]), name
+        if rows is not None:
+            assert not u[vocab:].any() and (padded == vocab or t[vocab:].any()), name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(uni.moments[name][k][:rows], plain.moments[name][k][:rows]), (name, k)
+    assert padded == (384 if layout == "tp2_zero1" else 320)
+
+
+def test_universal_checkpoint_needs_its_flag_and_its_marker(tmp_path):
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.upstream_resume import unknown_layout_message
+    from megatron.errors import CheckpointError
+
+    uni = os.path.join(FIX, "universal_tp2")
+    assert upstream.find(uni) is None and "--universal-checkpoint" in unknown_layout_message(uni)
+    with pytest.raises(CheckpointError, match="no 'latest_universal'.*ds_to_universal"):
+        upstream.find(os.path.join(FIX, "tp2_zero1"), universal=True)
+    (tmp_path / "latest_universal").write_text("global_step9_universal")
+    with pytest.raises(CheckpointError, match="not a universal checkpoint"):
+        upstream.find(str(tmp_path), universal=True)
+
+
 # --------------------------------------------------------------------------------------------- resumed runs
 def _resume(tmp_path, layout: str, extra: list[str] | None = None, nproc: int = 2, load: str | None = None):
     if load is None:
@@ -174,6 +214,21 @@ def _resume(tmp_path, layout: str, extra: list[str] | None = None, nproc: int = 
     proc = run_pretrain(nproc, args + (extra or []), timeout=400)
     lrs = {int(m.group(1)): float(m.group(2)) for m in _LR.finditer(proc.stdout)}
     return losses(proc.stdout), lrs, proc
+
+
+def test_resume_universal_checkpoint_at_another_layout(tmp_path):
+    """--universal-checkpoint: upstream's PP=2 run in DeepSpeed's universal form, resumed as DP=2 without a
+    pipeline, goes on with upstream's loss and lr. (At TP=2 the vocabulary would pad to 384 rows: zero rows enter
+    the softmax there, here as under upstream's own universal load, and the loss shifts by about ln(384/320).)"""
+    load = str(tmp_path / "universal_pp2")
+    shutil.copytree(os.path.join(FIX, "universal_pp2"), load)
+    got, lrs, proc = _resume(tmp_path, "dp2", ["--universal-checkpoint"], load=load)
+    assert "upstream universal checkpoint" in proc.stdout
+    rec = _recorded("pp2_zero1")["resumed_run"]
+    assert sorted(got) == [4, 5, 6], got
+    for it in (4, 5, 6):
+        assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
+        assert lrs[it] == pytest.approx(rec[str(it)]["lr"], rel=1e-3), (it, lrs, rec)
 
 
 @pytest.mark.parametrize("layout", ["tp2_zero1", "pp2_zero1"])
