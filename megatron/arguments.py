@@ -255,6 +255,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="delete older checkpoints (the one 'latest' names is never deleted)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at this iteration multiple")
+    g.add_argument("--kill-switch-file", default=None,
+                   help="save and exit once this file exists (checked after every iteration; present at start: "
+                        "exit before training), as upstream")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")
     g.add_argument("--max-nonfinite-loss-iters", type=int, default=3,
                    help="stop after this many consecutive NaN/Inf-loss iterations (nothing is saved meanwhile)")

@@ -174,7 +174,6 @@ REFUSALS: dict[str, Refused] = {
     "--ds-sequence-parallel-fpdt": Refused("FPDT sequence parallelism is not built: drop the flag"),
     "--ds-sequence-parallel-fpdt-chunk-size": Refused("FPDT sequence parallelism is not built: drop the flag"),
     "--ds-sequence-parallel-fpdt-offloading": Refused("FPDT sequence parallelism is not built: drop the flag"),
-    "--kill-switch-file": Refused("use SIGUSR1 (#SBATCH --signal=USR1@300) or --exit-duration-in-mins to stop a run"),
     "--memory-centric-tiled-linear": Refused("tiled linear layers are not built: drop the flag"),
     "--tile-factor": Refused("tiled linear layers are not built: drop the flag"),
     "--scattered-embeddings": Refused("not built: drop the flag"),

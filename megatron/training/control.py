@@ -1,5 +1,5 @@
-"""When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins, SIGTERM/SIGUSR1
-from Slurm (``#SBATCH --signal=USR1@120``) and persistent non-finite losses.
+"""When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins, --kill-switch-file,
+SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``) and persistent non-finite losses.
 
 A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
 small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
@@ -9,6 +9,7 @@ alone would hang in DeepSpeed's collectives).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -31,8 +32,13 @@ class Decision:
 
 class RunControl:
     def __init__(self, save_interval: int | None, exit_interval: int | None, exit_duration_mins: float | None,
-                 max_nonfinite: int, saving: bool) -> None:
+                 max_nonfinite: int, saving: bool, kill_switch_file: str | None = None,
+                 checks_files: bool = True) -> None:
+        """``checks_files``: this rank looks for ``kill_switch_file`` (rank 0 only: the MAX all-reduce tells the
+        others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre)."""
         self.save_interval, self.exit_interval = save_interval, exit_interval
+        self.kill_switch_file = kill_switch_file if checks_files else None
+        self._kill_switch_name = kill_switch_file
         self.exit_duration_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
         self.max_nonfinite, self.saving = max_nonfinite, saving
         self.start = time.monotonic()
@@ -57,8 +63,8 @@ class RunControl:
         """Collective over all ranks: ``decide(it, exchange(loss))``."""
         return self.decide(it, self.exchange(loss))
 
-    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool]:
-        """Collective: (signal, timed out, non-finite loss) on any rank, one small MAX all-reduce.
+    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool, bool]:
+        """Collective: (signal, timed out, non-finite loss, kill switch) on any rank, one small MAX all-reduce.
 
         ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
@@ -69,17 +75,19 @@ class RunControl:
             bad = (~torch.isfinite(value)).reshape(1)  # tested where the loss is: no sync
         else:
             bad = float(not math.isfinite(value))
-        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad],
+        killed = float(self.kill_switch_file is not None and os.path.exists(self.kill_switch_file))
+        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed],
                                op=torch.distributed.ReduceOp.MAX, also=res.pending() if res is not None else ())
         if res is not None:
-            res.resolve(got[3:])
-        return bool(got[0]), bool(got[1]), bool(got[2])
+            res.resolve(got[4:])
+        return bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3])
 
-    def decide(self, it: int, flags: tuple[bool, bool, bool]) -> Decision:
+    def decide(self, it: int, flags: tuple[bool, ...]) -> Decision:
         """What every rank does after iteration ``it``, given ``exchange``'s agreed flags. Raises TrainingError
         after ``max_nonfinite`` consecutive iterations whose loss is NaN/Inf on any rank; never asks to save
         while the latest loss is non-finite."""
-        got_signal, timed_out, nonfinite = flags
+        got_signal, timed_out, nonfinite, *rest = flags
+        killed = bool(rest and rest[0])
         if nonfinite:
             self.nonfinite_run += 1
             if self.nonfinite_run >= self.max_nonfinite:
@@ -93,6 +101,8 @@ class RunControl:
             return Decision(self.saving, True, "signal (SIGTERM/SIGUSR1)")
         if timed_out:
             return Decision(self.saving, True, f"--exit-duration-in-mins {self.exit_duration_s / 60:g}")
+        if killed:
+            return Decision(self.saving, True, f"kill switch {self._kill_switch_name}")
         if self.exit_interval and it % self.exit_interval == 0:
             return Decision(self.saving, True, f"--exit-interval {self.exit_interval}")
         return Decision(self.saving and bool(self.save_interval) and it % self.save_interval == 0)

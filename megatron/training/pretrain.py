@@ -61,6 +61,10 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     from megatron.initialize import initialize_megatron, shutdown
 
     args = parse_args(argv, extra_args)
+    if args.kill_switch_file and os.path.exists(args.kill_switch_file):  # upstream: exit 0 before training
+        print(f"> kill switch {args.kill_switch_file} is present: exiting before training (remove it to train)",
+              flush=True)
+        return {"iterations": 0, "exit_reason": f"kill switch {args.kill_switch_file}"}
     check_rendezvous_flags(args.master_port, args.rendezvous_timeout_secs)
     ranks = topology.discover_ranks(os.environ)
     run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
@@ -160,7 +164,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
-                         args.max_nonfinite_loss_iters, saving=bool(ckpt.save))
+                         args.max_nonfinite_loss_iters, saving=bool(ckpt.save),
+                         kill_switch_file=getattr(args, "kill_switch_file", None), checks_files=rank == 0)
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     resume.restore_rng()
     if opts.skip_train:

@@ -83,6 +83,15 @@ def test_signal_saves_exits_zero_and_resumes(tmp_path, sig):
 
 
 @pytest.mark.timeout(90)
+def test_kill_switch_present_at_start_exits_before_training(tmp_path):
+    kill = tmp_path / "STOP"
+    kill.touch()
+    out = _run(LONG + ["--save", str(tmp_path / "ckpt"), "--kill-switch-file", str(kill)], timeout=80).stdout
+    assert f"> kill switch {kill} is present: exiting before training" in out and not _iters(out)
+    assert not os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+@pytest.mark.timeout(90)
 def test_exit_duration_saves_and_exits_cleanly(tmp_path):
     save = str(tmp_path)
     out = _run(LONG + ["--save", save, "--exit-duration-in-mins", "0.01"], timeout=80).stdout

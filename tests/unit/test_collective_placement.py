@@ -80,6 +80,32 @@ def test_run_control_flags_and_step_values(nccl):
     assert res.loss == 0.0 and res.grad_norm == 0.0  # filled by the exchange's read-back
 
 
+def test_kill_switch_file_is_agreed_through_the_flags_all_reduce(monkeypatch, tmp_path):
+    """--kill-switch-file: rank 0 looks for the file, the flags' MAX all-reduce tells every rank (no per-rank
+    stat each iteration); the decision is save and exit, naming the file. One rank: the all-reduce is identity."""
+    import os
+
+    from megatron.training.control import RunControl
+
+    sent = []
+    monkeypatch.setattr(comm, "reduce_host", lambda values, *a, **k: sent.append(list(values)) or list(values))
+    kill = str(tmp_path / "STOP")
+    control = RunControl(None, None, None, max_nonfinite=3, saving=True, kill_switch_file=kill)
+    other = RunControl(None, None, None, max_nonfinite=3, saving=True, kill_switch_file=kill, checks_files=False)
+    try:
+        assert control.decide(1, control.exchange(1.0)).exit is False
+        open(kill, "w").close()
+        flags = control.exchange(1.0)
+        assert flags[3] is True and other.exchange(1.0)[3] is False  # only the checking rank contributes it
+        d = control.decide(2, flags)
+        assert (d.save, d.exit, d.reason) == (True, True, f"kill switch {kill}")
+        os.remove(kill)
+    finally:
+        control.close()
+        other.close()
+    assert [v[3] for v in sent] == [0.0, 1.0, 0.0]  # the flag travels in the one flags all-reduce
+
+
 def test_dp_mean_and_checkpoint_id(nccl, monkeypatch):
     from megatron.checkpointing import checkpoint
     from megatron.training.pretrain import _dp_mean
