@@ -60,6 +60,17 @@ def vocab_size(args) -> int:
                       "and its files), --mock-data --vocab-size N, or --demo-corpus")
 
 
+def eod_token(args) -> int | None:
+    """The data's end-of-document token (--eod-mask-loss): the tokenizer's, or the demo corpus's byte EOD."""
+    if args.data_path:
+        return _tokenizer(args).eod
+    if args.demo_corpus:
+        from megatron.data.demo_corpus import BYTE_EOD
+
+        return BYTE_EOD
+    return None  # --mock-data: uniform random tokens, no documents
+
+
 def datasets_provider(args, run, num_samples):
     """(train, valid, test) datasets for --split's three parts; every item is {"text": int64 array of
     seq_length + 1 tokens}. ``num_samples``: (train, valid, test) samples wanted; a split given none is None."""
@@ -101,7 +112,7 @@ def main(argv=None):
         return show_layout([a for a in argv if a != "--dry-run"])
     from megatron.training.pretrain import Providers, pretrain
 
-    pretrain(argv, Providers(model_provider, datasets_provider, forward_step, vocab_size))
+    pretrain(argv, Providers(model_provider, datasets_provider, forward_step, vocab_size, eod_token))
 
 
 if __name__ == "__main__":

@@ -215,6 +215,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir / tokenizer.json, or SentencePiece model")
     g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
                    help="single: samples in index order; cyclic: upstream's random order per epoch (seeded by epoch)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on the prediction after an end-of-document token (upstream's flag)")
     g.add_argument("--no-data-sharding", dest="data_sharding", action="store_false",
                    help="--dataloader-type cyclic: one permutation of all samples, dealt to the DP ranks in turn "
                         "(default: each rank permutes its own contiguous share), as upstream")

@@ -187,7 +187,6 @@ REFUSALS: dict[str, Refused] = {
     "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
     "--reset-position-ids": Refused("per-document position ids are not built: drop the flag"),
     "--reset-attention-mask": Refused("per-document attention masks are not built: drop the flag"),
-    "--eod-mask-loss": Refused("masking the loss at end-of-document tokens is not built: drop the flag"),
     "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
     "--return-data-index": Refused("not built: drop the flag"),
     "--data-efficiency-curriculum-learning": Refused("DeepSpeed data efficiency is not built: drop the flag"),

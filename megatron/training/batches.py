@@ -16,6 +16,14 @@ from deepspeed.accelerator import get_accelerator
 from megatron.data.gpt_builder import build_data_loader
 
 
+def eod_loss_mask(batches: Iterator[dict], eod: int) -> Iterator[dict]:
+    """--eod-mask-loss, as upstream's get_ltor_masks_and_position_ids: no loss where the *input* token is the
+    end-of-document token (the prediction of the next document's first token). ``loss_mask`` [b, s] goes
+    through the pipeline batches and the Ulysses slices with the tokens."""
+    for batch in batches:
+        yield {**batch, "loss_mask": (batch["text"][:, :-1] != eod).float()}
+
+
 def microbatches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  device: str | None = None, num_workers: int = 0, dataloader_type: str = "single",
                  seed: int = 0, data_sharding: bool = True) -> Iterator[dict]:

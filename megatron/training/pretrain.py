@@ -27,7 +27,7 @@ from megatron.errors import ConfigError
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
 from megatron.rendezvous import check_flags as check_rendezvous_flags
-from megatron.training.batches import microbatches
+from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.log import TrainingLogger, print_rank0
@@ -49,6 +49,8 @@ class Providers:
     forward_step: Callable
     vocab_size: Callable[[argparse.Namespace], int]
     """Vocabulary size (before padding) implied by the data/tokenizer flags."""
+    eod: Callable[[argparse.Namespace], int | None] | None = None
+    """The end-of-document token of the data (--eod-mask-loss); None: the data has no documents."""
 
 
 _dp_mean = dp_mean  # the DP average of a host number or device scalar (tests import it from here)
@@ -68,6 +70,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     check_rendezvous_flags(args.master_port, args.rendezvous_timeout_secs)
     ranks = topology.discover_ranks(os.environ)
     run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
+    args.eod_token = _eod_token(args, providers)
     # Ranks per node come from the launcher (Slurm/torchrun/MPI), never from device_count(): under
     # Frontier's --gpus-per-task=1 every process sees exactly one device.
     topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
@@ -121,6 +124,17 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         shutdown()
 
 
+def _eod_token(args, providers: Providers) -> int | None:
+    """The token --eod-mask-loss masks (None without the flag); refused here when the data has none."""
+    if not getattr(args, "eod_mask_loss", False):
+        return None
+    eod = providers.eod(args) if providers.eod is not None else None
+    if eod is None:
+        raise ConfigError("--eod-mask-loss needs data made of documents with an end-of-document token: use "
+                          "--data-path with its tokenizer (or --demo-corpus); --mock-data has none")
+    return eod
+
+
 def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers, resume: Resume,
            ckpt: CheckpointSettings, opts: LogOptions | None = None) -> dict:
     from megatron.engine import is_pipeline
@@ -142,9 +156,15 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     mbs, dp = t.micro_batch_size, pstate.dp
     loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed,
                "data_sharding": getattr(args, "data_sharding", True)}
-    # SP peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence.
-    train_data = sequence_slices(microbatches(train_ds, resume.consumed_samples, mbs, dp.rank, dp.size, **loading),
-                                 pstate.sp)
+    eod = getattr(args, "eod_token", None)
+
+    def stream(dataset, start: int):
+        """This DP rank's micro-batches of ``dataset`` from sample ``start`` (--eod-mask-loss masks added); SP
+        peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence."""
+        batches = microbatches(dataset, start, mbs, dp.rank, dp.size, **loading)
+        return sequence_slices(batches if eod is None else eod_loss_mask(batches, eod), pstate.sp)
+
+    train_data = stream(train_ds, resume.consumed_samples)
     seq = run.model.seq_length
     scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)
@@ -158,9 +178,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer, opts)
     timers = Timers(opts.timing_level, opts.timing_option, opts.barrier_l1)
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
-                            resume.iteration, logger,
-                            lambda ds, start: sequence_slices(microbatches(ds, start, mbs, dp.rank, dp.size, **loading),
-                                                              pstate.sp), plan)
+                            resume.iteration, logger, stream, plan)
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,

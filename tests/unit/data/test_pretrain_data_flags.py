@@ -1,6 +1,6 @@
 """pretrain() honours the data-loading flags: the sample counts it asks for are upstream's, --num-workers,
---dataloader-type, --no-data-sharding and --per-epoch-doc-shuffle reach the loaders and datasets (the orders they
-give are upstream's: test_upstream_order.py), and validation reads one stream for
+--dataloader-type, --no-data-sharding, --eod-mask-loss and --per-epoch-doc-shuffle reach the loaders and datasets
+(the orders they give are upstream's: test_upstream_order.py), and validation reads one stream for
 the whole run."""
 
 from __future__ import annotations
@@ -11,15 +11,20 @@ import shutil
 from tests.launcher import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
-                        "upstream_data")
+                        "upstream_ckpt", "data")  # documents of the demo corpus, GPT-2 BPE with <|endoftext|>
+EOD = 0  # <|endoftext|> in that vocab.json
 
 
 def _pretrain_recording(argv: list[str]) -> dict:
     import pretrain_gpt
     from megatron.training import pretrain as pt
 
-    calls, asked = [], []
+    calls, asked, masks = [], [], []
     real_microbatches, real_datasets = pt.microbatches, pretrain_gpt.datasets_provider
+
+    def forward_step(model, batch):  # what --eod-mask-loss put beside the tokens: (mask, upstream's mask)
+        masks.append((batch.get("loss_mask"), (batch["text"][:, :-1] != EOD).float()))
+        return pretrain_gpt.forward_step(model, batch)
 
     def microbatches(dataset, consumed, *args, **kwargs):
         calls.append({"consumed": consumed, "len": len(dataset), "per_epoch": dataset.per_epoch_order, **kwargs})
@@ -30,21 +35,22 @@ def _pretrain_recording(argv: list[str]) -> dict:
         return real_datasets(args, run, num_samples)
 
     pt.microbatches = microbatches
-    summary = pt.pretrain(argv, pt.Providers(pretrain_gpt.model_provider, datasets, pretrain_gpt.forward_step,
-                                             pretrain_gpt.vocab_size))
-    return {"calls": calls, "asked": asked, "iterations": summary["iterations"]}
+    summary = pt.pretrain(argv, pt.Providers(pretrain_gpt.model_provider, datasets, forward_step,
+                                             pretrain_gpt.vocab_size, pretrain_gpt.eod_token))
+    return {"calls": calls, "asked": asked, "iterations": summary["iterations"], "masks": masks}
 
 
 def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
-    for f in ("corpus_a.bin", "corpus_a.idx"):
+    for f in ("tiny_text_document.bin", "tiny_text_document.idx"):
         shutil.copy(os.path.join(FIXTURES, f), tmp_path / f)
     argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
             "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--use-cpu-initialization",
-            "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "corpus_a"),
-            "--split", "90,7,3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+            "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "tiny_text_document"),
+            "--split", "90,7,3", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            os.path.join(FIXTURES, "vocab.json"), "--merge-file", os.path.join(FIXTURES, "merges.txt"),
             "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic",
-            "--num-workers", "1", "--per-epoch-doc-shuffle", "--no-data-sharding"]
+            "--num-workers", "1", "--per-epoch-doc-shuffle", "--no-data-sharding", "--eod-mask-loss"]
     out = run_distributed(_pretrain_recording, 1, timeout=240, argv=argv)[0]
     assert out["iterations"] == 4
     # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.
@@ -54,3 +60,26 @@ def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
     assert train == {"consumed": 0, "len": train["len"], "per_epoch": True, **loading}
     assert (valid["consumed"], test["consumed"]) == (0, 0) and valid["len"] != test["len"]
     assert all({k: v[k] for k in loading} == loading and v["per_epoch"] for v in (valid, test))
+    # --eod-mask-loss: every training and evaluation micro-batch carries upstream's mask (no loss where the input
+    # token is the end-of-document token), and the data has some.
+    masks = out["masks"]
+    # 4 iterations, 2 evaluations during training and valid + test at the end: 8 passes of 2 micro-batches
+    assert len(masks) == 8 * 2 and all(m is not None and m.equal(want) for m, want in masks)
+    assert any(not want.all() for _, want in masks)
+
+
+def test_eod_mask_loss_without_documents_is_refused_in_one_line():
+    import argparse
+
+    import pretrain_gpt
+    import pytest
+
+    from megatron.errors import ConfigError
+    from megatron.training import pretrain as pt
+
+    providers = pt.Providers(None, None, None, pretrain_gpt.vocab_size, pretrain_gpt.eod_token)
+    args = argparse.Namespace(eod_mask_loss=True, data_path=None, demo_corpus=False, mock_data=True)
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs data made of documents.*--mock-data has none"):
+        pt._eod_token(args, providers)
+    assert pt._eod_token(argparse.Namespace(eod_mask_loss=True, data_path=None, demo_corpus=True), providers) == 256
+    assert pt._eod_token(argparse.Namespace(eod_mask_loss=False), providers) is None
