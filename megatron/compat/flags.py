@@ -56,6 +56,11 @@ def _is_rope(args: argparse.Namespace) -> bool:
     return bool(args.use_rotary_position_embeddings or args.position_embedding_type == "rope")
 
 
+def _flash(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "use_flash_attn_v2", False) or getattr(args, "use_flash_attn_triton", False)
+                or getattr(args, _DEST_PREFIX + "use_flash_attn_builder", False))
+
+
 def _kv_channels_is_head_dim(value, args: argparse.Namespace) -> bool:
     return (args.hidden_size is not None and args.num_attention_heads
             and value == args.hidden_size // args.num_attention_heads)
@@ -122,6 +127,19 @@ NOOPS: dict[str, NoOp] = {
         lambda v, a: _is_rope(a),
         "a GPT without any position embedding is not built here: add --use-rotary-position-embeddings or drop "
         "--no-position-embedding"),
+    # Upstream's per-document resets reach only what reads them: its RoPE is computed from the sequence length,
+    # not from position_ids (language_model.py), and its flash-attention path is causal without a mask
+    # (transformer.py); there the flags change nothing, elsewhere they are refused.
+    "--reset-position-ids": NoOp(
+        "with rotary embeddings upstream has no learned position table and its RoPE ignores position ids",
+        lambda v, a: _is_rope(a),
+        "per-document positions for learned position embeddings are not built here: use rotary embeddings "
+        "(--use-rotary-position-embeddings, where upstream's flag has no effect) or drop --reset-position-ids"),
+    "--reset-attention-mask": NoOp(
+        "upstream's flash-attention path (--use-flash-attn-*) is causal and ignores the per-document mask",
+        lambda v, a: _flash(a),
+        "per-document attention masks are not built here (upstream applies them only without flash attention): "
+        "drop --reset-attention-mask, or pass --use-flash-attn-v2 as upstream's Frontier scripts do"),
     "--kv-channels": NoOp(
         "it equals --hidden-size / --num-attention-heads, the head dim used here", _kv_channels_is_head_dim,
         "a head dim other than --hidden-size / --num-attention-heads is not built here: drop --kv-channels"),
@@ -185,8 +203,6 @@ REFUSALS: dict[str, Refused] = {
     "--test-data-path": Refused("use --data-path with --split"),
     "--aml-data-download-path": Refused("prefix --data-path yourself"),
     "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
-    "--reset-position-ids": Refused("per-document position ids are not built: drop the flag"),
-    "--reset-attention-mask": Refused("per-document attention masks are not built: drop the flag"),
     "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
     "--return-data-index": Refused("not built: drop the flag"),
     "--data-efficiency-curriculum-learning": Refused("DeepSpeed data efficiency is not built: drop the flag"),
@@ -269,9 +285,14 @@ def apply(args: argparse.Namespace) -> list[str]:
     """Refuse what must be refused (ConfigError, one line); return one note per no-op that was given.
     The upstream-only attributes are removed from ``args``."""
     given = {k[len(_DEST_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_DEST_PREFIX)}
+    notes = _classify(given, args)  # the conditions may read other upstream-only flags: removed only after
     for k in list(vars(args)):
         if k.startswith(_DEST_PREFIX):
             delattr(args, k)
+    return notes
+
+
+def _classify(given: dict, args: argparse.Namespace) -> list[str]:
     if not given:
         return []
     by_dest = {row["dest"]: row for row in upstream_flags()}

@@ -103,6 +103,15 @@ def test_noops_are_said_once_and_conditional_ones_refuse_other_values(capsys):
     parse_args(["--kv-channels", "16", "--hidden-size", "64", "--num-attention-heads", "4"])
     with pytest.raises(ConfigError, match="--kv-channels 32"):
         parse_args(["--kv-channels", "32", "--hidden-size", "64", "--num-attention-heads", "4"])
+    # Upstream's per-document resets: no effect where upstream itself ignores them (RoPE positions, the causal
+    # flash path), refused where they would change its arithmetic.
+    parse_args(["--use-rotary-position-embeddings", "--reset-position-ids"])
+    with pytest.raises(ConfigError, match="--reset-position-ids"):
+        parse_args(["--reset-position-ids"])  # learned positions: upstream restarts them per document
+    parse_args(["--use-flash-attn-v2", "--reset-attention-mask"])
+    parse_args(["--use-flash-attn-builder", "--reset-attention-mask"])
+    with pytest.raises(ConfigError, match="--reset-attention-mask"):
+        parse_args(["--reset-attention-mask"])
 
 
 def test_upstream_aliases_are_the_same_setting():
