@@ -160,6 +160,11 @@ def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--profile", choices=["pt", "pt-full"], default=None,
+                   help="PyTorch profiler trace of --profile_steps into --tensorboard-dir (pt-full: with stacks)")
+    g.add_argument("--profile_steps", "--profile-steps", dest="profile_steps", default="2,3",
+                   help="START,END: the steps of this process to profile, counted from 1")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=None, help="ranks to profile (default: all)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
     # Upstream Megatron-DeepSpeed's logging flags (megatron/training/log_options.py says what each does here).

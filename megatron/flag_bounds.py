@@ -84,6 +84,7 @@ BOUNDS: dict[str, Bound] = {
     "lr_decay_iters": Bound(1, ITERS),
     "weight_decay": Bound(0, 1),                                       # AdamW scales weights by 1 - lr * wd
     "start_weight_decay": Bound(0, 1),
+    "profile_ranks": Bound(0, 2**20),                                  # rank ids (a rank above the world: none)
     "end_weight_decay": Bound(0, 1),
     "clip_grad": Bound(0, None, {0: "disables clipping"}, open="lo"),
     "adam_beta1": Bound(0, 1, open="hi"),

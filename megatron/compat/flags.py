@@ -119,8 +119,6 @@ NOOPS: dict[str, NoOp] = {
     "--mask-prob": NoOp(_NOT_GPT),
     "--short-seq-prob": NoOp(_NOT_GPT),
     "--bert-no-binary-head": NoOp(_NOT_GPT),
-    "--profile_steps": NoOp("it only matters with --profile"),
-    "--profile-ranks": NoOp("it only matters with --profile"),
     # conditional no-ops
     "--no-position-embedding": NoOp(
         "with rotary embeddings there is no learned position table (upstream drops it too)",
@@ -196,7 +194,6 @@ REFUSALS: dict[str, Refused] = {
     "--tile-factor": Refused("tiled linear layers are not built: drop the flag"),
     "--scattered-embeddings": Refused("not built: drop the flag"),
     "--split-transformers": Refused("not built: drop the flag"),
-    "--profile": Refused("use bench/ or the PyTorch profiler around pretrain_gpt.py: drop the flag"),
     # data
     "--train-data-path": Refused("use --data-path with --split"),
     "--valid-data-path": Refused("use --data-path with --split"),

@@ -29,6 +29,7 @@ from megatron.preflight.layout import check_layout
 from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
+from megatron.training.profiler import StepProfiler, profile_window
 from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
@@ -63,6 +64,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     from megatron.initialize import initialize_megatron, shutdown
 
     args = parse_args(argv, extra_args)
+    profile_window(args)  # --profile's flags: one line now, not after the model is built
     if args.kill_switch_file and os.path.exists(args.kill_switch_file):  # upstream: exit 0 before training
         print(f"> kill switch {args.kill_switch_file} is present: exiting before training (remove it to train)",
               flush=True)
@@ -185,6 +187,9 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save),
                          kill_switch_file=getattr(args, "kill_switch_file", None), checks_files=rank == 0)
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
+    from deepspeed.accelerator import get_accelerator
+
+    profiler = StepProfiler(args, rank, get_accelerator().device_name())  # --profile: upstream's window
     resume.restore_rng()
     if opts.skip_train:
         print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
@@ -201,6 +206,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
             scheduler.consumed_tokens = consumed * seq  # upstream's args.consumed_train_tokens, before the step
         step_gbs = plan.global_batch(consumed)
         n_micro = step_gbs // (mbs * dp.size)
+        profiler.begin()
         if pipelined:
             set_num_microbatches(engine, n_micro)  # the pipeline engine's schedule follows its accumulation steps
             res = pipe_train_step(engine, train_data)
@@ -210,6 +216,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         # All ranks agree on signal / time / NaN; the same read-back brings res.loss and res.grad_norm to the
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
+        profiler.end()
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters
         tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives

@@ -3,6 +3,7 @@ own event reader), a finished run evaluates the valid and test splits at the end
 saved checkpoint to the same numbers. One 3-iteration run with every honoured logging flag (2 ranks, ZeRO-1: DP=2
 averages and reductions), one --skip-train run."""
 
+import glob
 import json
 import math
 import re
@@ -62,8 +63,10 @@ def _scalars(path: str) -> dict[str, list[tuple[int, float]]]:
 def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     base = _args(**{"--train-iters": "3", "--eval-iters": "1"})
     base += ["--zero-stage", "1", "--eval-interval", "2", "--save", str(tmp_path / "ck")]
-    out = run_pretrain(2, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS]).stdout
+    out = run_pretrain(2, base + ["--tensorboard-dir", str(tmp_path / "tb"), *FLAGS,
+                                  "--profile", "pt", "--profile_steps", "2,2"]).stdout
     tags = _scalars(str(tmp_path / "tb"))
+    assert len(glob.glob(str(tmp_path / "tb" / "*.pt.trace.json.gz"))) == 2  # --profile: step 2 of each rank
 
     # The same tags as upstream's own run with these flags, at the same iterations (tests/fixtures/upstream_tensorboard;
     # its run kept the learning rate, which this one turns off).
