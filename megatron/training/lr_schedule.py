@@ -146,7 +146,7 @@ def shape_mismatches(shape: ScheduleShape, sd: dict) -> list[str]:
             continue
         if mine != saved:
             out.append(f"{name} {saved} in the checkpoint, {mine} from the flags")
-    if "start_wd" in sd and shape.start_wd is not None:
+    if sd.get("start_wd") is not None and shape.start_wd is not None:
         for key, attr, name in _WD_KEYS:
             if key == "wd_incr_steps" and shape.wd_incr_style == "constant" == sd.get("wd_incr_style"):
                 continue
@@ -288,11 +288,14 @@ class OptimizerParamScheduler:
 
     def state_dict(self) -> dict:
         """Upstream's keys, so either side reads the other's."""
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
-                "lr_warmup_tokens": self.lr_warmup_tokens, "lr_decay_steps": self.lr_decay_steps,
-                "lr_decay_tokens": self.lr_decay_tokens, "lr_decay_style": self.lr_decay_style,
-                "num_steps": self.num_steps, "num_tokens": self.num_tokens, "start_wd": self.start_wd,
-                "end_wd": self.end_wd, "wd_incr_style": self.wd_incr_style, "wd_incr_steps": self.wd_incr_steps}
+        sd = {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
+              "lr_warmup_tokens": self.lr_warmup_tokens, "lr_decay_steps": self.lr_decay_steps,
+              "lr_decay_tokens": self.lr_decay_tokens, "lr_decay_style": self.lr_decay_style,
+              "num_steps": self.num_steps, "num_tokens": self.num_tokens}
+        if self.start_wd is not None:  # a schedule built without the weight-decay flags leaves them out
+            sd.update(start_wd=self.start_wd, end_wd=self.end_wd, wd_incr_style=self.wd_incr_style,
+                      wd_incr_steps=self.wd_incr_steps)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if is_legacy_state(sd):
@@ -308,7 +311,7 @@ class OptimizerParamScheduler:
                 raise CheckpointError(mismatch_message("(checkpoint)", mismatches))
             for key, _, _ in _SHAPE_KEYS:  # upstream: the checkpoint's values (equal to the flags' unless told)
                 setattr(self, key, saved_shape_value(sd, key))
-            if "start_wd" in sd:
+            if sd.get("start_wd") is not None and self.start_wd is not None:
                 for key, _, _ in _WD_KEYS:
                     setattr(self, key, sd[key])
         elif self.lr_warmup_tokens is None and self.lr_decay_tokens is not None:
