@@ -29,10 +29,10 @@ from megatron.preflight.layout import check_layout
 from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
-from megatron.training.profiler import StepProfiler, profile_window
 from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
+from megatron.training.profiler import StepProfiler, profile_window
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
 from megatron.training.schedule_config import micro_batch_plan
@@ -72,7 +72,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     check_rendezvous_flags(args.master_port, args.rendezvous_timeout_secs)
     ranks = topology.discover_ranks(os.environ)
     run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
-    args.eod_token = _eod_token(args, providers)
+    eod = _eod_token(args, providers)  # --eod-mask-loss: checked now, before any process group
     # Ranks per node come from the launcher (Slurm/torchrun/MPI), never from device_count(): under
     # Frontier's --gpus-per-task=1 every process sees exactly one device.
     topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
@@ -114,7 +114,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         resume = load_checkpoint(engine, run, pstate, ckpt, full)
         watchdog = start_watchdog(args.watchdog_timeout_secs)
-        return _train(args, run, pstate, engine, providers, resume, ckpt, log_opts)
+        return _train(args, run, pstate, engine, providers, resume, ckpt, log_opts, eod)
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
@@ -138,7 +138,8 @@ def _eod_token(args, providers: Providers) -> int | None:
 
 
 def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers, resume: Resume,
-           ckpt: CheckpointSettings, opts: LogOptions | None = None) -> dict:
+           ckpt: CheckpointSettings, opts: LogOptions | None = None, eod: int | None = None) -> dict:
+    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask)."""
     from megatron.engine import is_pipeline
 
     opts = opts or LogOptions.from_args(args)
@@ -158,8 +159,6 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     mbs, dp = t.micro_batch_size, pstate.dp
     loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed,
                "data_sharding": getattr(args, "data_sharding", True)}
-    eod = getattr(args, "eod_token", None)
-
     def stream(dataset, start: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``start`` (--eod-mask-loss masks added); SP
         peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence."""
