@@ -5,8 +5,8 @@ train iterations, the ramp, and the schedule's lengths."""
 from __future__ import annotations
 
 from megatron.errors import ConfigError
-from megatron.training.lr_schedule import check_shape, schedule_shape
-from megatron.training.microbatches import RAMP_FLAG, MicroBatchPlan
+from megatron.optim.lr_schedule import check_shape, schedule_shape
+from megatron.optim.microbatches import RAMP_FLAG, MicroBatchPlan
 
 
 def micro_batch_plan(run) -> MicroBatchPlan:

@@ -10,9 +10,14 @@ AdamW, but its rounding differs and nothing would gain from it here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from megatron.config import OptimizerConfig
+from megatron.core.comm import accelerator_device_type
+
+if TYPE_CHECKING:  # the config sits above this layer; only its type is named here
+    from megatron.config import OptimizerConfig
 
 
 def fused_supported(device_type: str) -> bool:
@@ -24,13 +29,6 @@ def fused_supported(device_type: str) -> bool:
     except ImportError:  # older torch: CUDA (and ROCm, which reports "cuda") only
         return device_type == "cuda"
     return device_type in _get_fused_kernels_supported_devices()
-
-
-def accelerator_device_type() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()  # "cuda" (also on ROCm), "cpu", "xpu", ...
-    return name.split(":")[0]
 
 
 def make_adamw(params, o: OptimizerConfig, device_type: str | None = None, **extra) -> torch.optim.AdamW:
@@ -63,3 +61,15 @@ def make_optimizer(params, o: OptimizerConfig, offload: bool = False, device_typ
     if o.optimizer == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.sgd_momentum, **extra)
     return make_adamw(params, o, device_type=device_type, **extra)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter). ``wd_mult`` as
+    upstream's groups: the scheduler sets each group's decay to the schedule's times it."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    return [g for g in groups if g["params"]]
