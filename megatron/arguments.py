@@ -113,7 +113,7 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
-    # Sample- and token-based forms, counted as upstream (megatron/training/lr_schedule.py).
+    # Sample- and token-based forms, counted as upstream (megatron/optim/lr_schedule.py).
     g.add_argument("--train-samples", type=int, default=None,
                    help="train this many samples (instead of --train-iters); the iterations follow, as upstream")
     g.add_argument("--train-tokens", type=int, default=None, help="also stop once this many tokens are consumed")

@@ -258,7 +258,7 @@ class OptimizerConfig:
     """--cpu-optimizer: DeepSpeed's CPU Adam (AdamW mode), as upstream; also used for ZeRO-Offload JSONs."""
     cpu_torch_adam: bool = False
     """--cpu_torch_adam: with --cpu-optimizer, torch's AdamW instead of DeepSpeed's CPU Adam (as upstream)."""
-    # Sample- and token-based schedule lengths and checkpoint semantics (megatron/training/lr_schedule.py).
+    # Sample- and token-based schedule lengths and checkpoint semantics (megatron/optim/lr_schedule.py).
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
     lr_warmup_tokens: int | None = None
@@ -351,7 +351,7 @@ class TrainingConfig:
     train_tokens: int | None = None
     """Training also stops once this many tokens are consumed (upstream's --train-tokens)."""
     rampup_batch_size: tuple[int, int, int] | None = None
-    """--rampup-batch-size START INCR SAMPLES (megatron/training/microbatches.py)."""
+    """--rampup-batch-size START INCR SAMPLES (megatron/optim/microbatches.py)."""
     eval_interval: int = 1000
     eval_iters: int = 10
     log_interval: int = 100
@@ -398,7 +398,7 @@ class RunConfig:
         self.precision.validate()
         self.optimizer.validate()
         self.training.validate(self.parallel.dp)
-        from megatron.training.schedule_config import validate_schedule
+        from megatron.optim.schedule_config import validate_schedule
 
         validate_schedule(self)  # --train-samples / token / ramp arithmetic and upstream's schedule checks
         return self

@@ -24,8 +24,9 @@ from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
-from megatron.training.lr_schedule import OptimizerParamScheduler
-from megatron.training.optimizer import make_optimizer
+from megatron.optim.grad_norm import grad_norm
+from megatron.optim.lr_schedule import OptimizerParamScheduler
+from megatron.optim.optimizer import make_optimizer, param_groups
 
 NOTES_KEY = "megatron_notes"  # log lines for rank 0, stripped before DeepSpeed sees the config
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepspeed_configs")
@@ -234,18 +235,6 @@ def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[st
     return notes
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter). ``wd_mult`` as
-    upstream's groups: the scheduler sets each group's decay to the schedule's times it."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
-              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelState, ds_config: dict):
     """Wrap ``model`` in a DeepSpeed engine with AdamW and Megatron's LR schedule."""
     o = run.optimizer
@@ -256,7 +245,7 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
             lambda groups: make_optimizer(groups, o, weight_decay=o.weight_decay),
             lambda opt: OptimizerParamScheduler.from_run(opt, run))
     ds_config = {k: v for k, v in ds_config.items() if k not in (hierarchical_zero.SECTION, NOTES_KEY)}
-    # From the flags, as upstream (megatron/training/optimizer.py); ZeRO-Offload steps on the host.
+    # From the flags, as upstream (megatron/optim/optimizer.py); ZeRO-Offload steps on the host.
     offload = ds_json.offload_device(ds_config) == "cpu"
     optimizer = make_optimizer(param_groups(model, o.weight_decay), o, offload=offload)
     scheduler = OptimizerParamScheduler.from_run(optimizer, run)
@@ -301,8 +290,6 @@ def _plain_fp32(run: RunConfig) -> bool:
 
 
 def _pipeline_clip_hook(model: torch.nn.Module, pstate: ParallelState, max_norm: float):
-    from megatron.training.step import grad_norm
-
     def hook(optimizer, args, kwargs) -> None:
         # The tied copy of the word embeddings on the last stage (ds_pipe_replicated) is counted once.
         params = [p for p in model.parameters() if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]

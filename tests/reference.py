@@ -17,10 +17,10 @@ def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
     uniformly scaled gradient from the losses, the norm does not."""
     from megatron.core.parallel_state import single_process_state
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.engine import param_groups
+    from megatron.optim.optimizer import param_groups
     from megatron.model.gpt_model import GPTModel
     from megatron.training.batches import microbatches
-    from megatron.training.lr_schedule import OptimizerParamScheduler
+    from megatron.optim.lr_schedule import OptimizerParamScheduler
     from megatron.training.step import gpt_forward_step
 
     m, o, t = run.model, run.optimizer, run.training

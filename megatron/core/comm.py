@@ -54,6 +54,11 @@ def collective_device(group=None) -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+def accelerator_device_type() -> str:
+    """The accelerator's device type: "cuda" (also on ROCm), "cpu", "xpu", ... (no device index)."""
+    return get_accelerator().device_name().split(":")[0]
+
+
 def _check_placement(op: str, t: torch.Tensor, group) -> None:
     if t.device.type == "cpu" and not _gloo(group):
         raise RuntimeError(f"{op} of a host tensor {tuple(t.shape)} on a {torch.distributed.get_backend(group)} "

@@ -16,6 +16,8 @@ import logging
 
 from torch import nn
 
+from megatron.core.comm import accelerator_device_type
+
 log = logging.getLogger(__name__)
 
 
@@ -24,8 +26,6 @@ def compile_transformer_layers(model: nn.Module, enabled: bool, device_type: str
     if not enabled:
         return 0
     if device_type is None:
-        from megatron.training.optimizer import accelerator_device_type
-
         device_type = accelerator_device_type()
     if device_type == "cpu":
         log.warning("--compile is ignored on CPU: the transformer layers run eager")

@@ -50,7 +50,7 @@ def check_load(settings, run: RunConfig) -> None:
     from megatron.checkpointing.checkpoint import missing_checkpoint_message, read_latest, read_meta
     from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
     from megatron.checkpointing.state import check_model_shape, check_resume
-    from megatron.training.lr_schedule import check_resume_schedule
+    from megatron.optim.lr_schedule import check_resume_schedule
     from megatron.checkpointing.verify import check_complete
 
     load = settings.load

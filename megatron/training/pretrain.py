@@ -35,7 +35,7 @@ from megatron.training.log_options import LogOptions
 from megatron.training.profiler import StepProfiler, profile_window
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
-from megatron.training.schedule_config import micro_batch_plan
+from megatron.optim.schedule_config import micro_batch_plan
 from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 from megatron.training.step import set_num_microbatches, train_step
 from megatron.training.tensorboard import open_writer, write_optimizer_stats

@@ -9,7 +9,7 @@ override flag (or --use-checkpoint-opt_param-scheduler) the changed schedule is 
 
 import pytest
 
-from megatron.training.lr_schedule import OptimizerParamScheduler, ScheduleShape
+from megatron.optim.lr_schedule import OptimizerParamScheduler, ScheduleShape
 from tests.checkpointing.common import BASE
 from tests.launcher import free_port, run_distributed
 

@@ -51,7 +51,7 @@ def _schedule_at_parity() -> bool:
     """Does our scheduler apply upstream's lr at each update (0 at the first warmup update)? Upstream's first
     update uses the lr of step 0; ours used the lr of step 1 before issue 21's schedule parity."""
     try:
-        from megatron.training.lr_schedule import OptimizerParamScheduler
+        from megatron.optim.lr_schedule import OptimizerParamScheduler
 
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         cfg = SimpleNamespace(lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", lr_decay_iters=20,
@@ -273,7 +273,7 @@ def test_resume_continues_upstreams_run(tmp_path, layout):
 
 SHIFT = """
 import sys
-from megatron.training import lr_schedule as L
+from megatron.optim import lr_schedule as L
 S = L.OptimizerParamScheduler
 # upstream's order: an update applies the lr of the steps done before it (0 at the first warmup update)
 S.apply_schedule = lambda self: self._apply(self.get_lr(self.num_steps))

@@ -119,7 +119,7 @@ def test_dp_mean_and_checkpoint_id(nccl, monkeypatch):
 
 
 def test_grad_norm_reduction_on_device(nccl):
-    from megatron.training.step import grad_norm
+    from megatron.optim.grad_norm import grad_norm
 
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
@@ -263,7 +263,7 @@ def test_train_step_makes_one_host_sync_per_iteration(monkeypatch):
 
 
 def test_grad_norm_counts_replicated_weights_once_per_tp_group():
-    from megatron.training.step import grad_norm
+    from megatron.optim.grad_norm import grad_norm
 
     sharded, replicated = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     sharded.tensor_model_parallel = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron.config import OptimizerConfig
-from megatron.training import optimizer as optim
+from megatron.optim import optimizer as optim
 
 
 def _params(seed=0):

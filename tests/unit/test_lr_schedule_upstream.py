@@ -16,9 +16,9 @@ import torch
 
 from megatron.arguments import parse_args, run_config_from_args
 from megatron.errors import CheckpointError, ConfigError
-from megatron.training.lr_schedule import OptimizerParamScheduler
-from megatron.training.microbatches import MicroBatchPlan
-from megatron.training.schedule_config import micro_batch_plan
+from megatron.optim.lr_schedule import OptimizerParamScheduler
+from megatron.optim.microbatches import MicroBatchPlan
+from megatron.optim.schedule_config import micro_batch_plan
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lr_schedule", "upstream_lr.json")
 with open(FIXTURE) as f:
@@ -33,7 +33,7 @@ def _run(case: dict, extra=()):
 
 
 def _scheduler(run):
-    # Our two groups (megatron/engine.py param_groups): decayed, and biases/norms (wd_mult 0), as upstream's.
+    # Our two groups (megatron/optim/optimizer.py param_groups): decayed, and biases/norms (wd_mult 0), as upstream's.
     opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 1.0},
                            {"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 0.0}], lr=0.0)
     return OptimizerParamScheduler.from_run(opt, run)

@@ -10,7 +10,7 @@ from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
 from megatron.model.sizes import named_model
 from megatron.perf.flops import iteration_flops
-from megatron.training.lr_schedule import OptimizerParamScheduler, ScheduleShape
+from megatron.optim.lr_schedule import OptimizerParamScheduler, ScheduleShape
 
 
 def _sched(style, warmup=10, decay=100, **kw):
