@@ -45,7 +45,7 @@ def per_gcd(results: list[dict], mode: str) -> dict[str, float]:
 
 def predicted() -> dict[str, tuple[float, float, float]]:
     """(step seconds, exposed DP comm seconds, network bytes per GCD) for GPT 20B on 48 nodes, TP=1 PP=1."""
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.perf.comm import estimate_comm
     from megatron.perf.layout import Layout
     from megatron.perf.step_time import estimate_step_time

@@ -44,7 +44,7 @@ _MEM = re.compile(r"mem \(GB\): ([0-9.]+)")
 
 
 def model_config(name: str, seq: int):
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     f = dict(MODELS[name][1])
     kind = f.pop("kind")

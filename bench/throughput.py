@@ -24,7 +24,7 @@ import torch  # noqa: E402
 def _ours(args):
     from megatron.core.parallel_state import single_process_state
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     cfg = named_model("debug", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=args.seq, vocab_size=args.vocab, make_vocab_size_divisible_by=128,

@@ -23,7 +23,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=512)
     args = p.parse_args(argv)
 
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.perf.layout import Layout
     from megatron.perf.memory import estimate_memory
     from tests.distributed.ulysses_probe import activation_memory

@@ -1,12 +1,13 @@
-"""The valid range of every numeric flag of megatron/arguments.py, as data: checked right after parsing, one line
-naming the flag and its range, before anything is built.
+"""The valid range of every numeric setting, as data, in one place: the parser checks each numeric flag against it
+right after parsing and the config dataclasses check their fields against the same rows (``check_fields``), so the
+two can never disagree. A value out of range is one line naming the flag and its range, before anything is built.
 
 ``Bound(lo, hi, special, open)``: ``lo``/``hi`` inclusive (None: unbounded) unless ``open`` names the end as
 exclusive ("lo", "hi" or "lo,hi"); ``special``: values outside the range with their documented meaning (e.g. 0
 disables). Maxima marked "sanity" are far above anything that fits Frontier (9,408 nodes x 8 GCDs of 64 GB):
 they turn a typo (an extra digit, a value for another flag) into a one-line error instead of an out-of-memory
 crash minutes later. Relations between flags (heads divide hidden, TP x PP divides the world, ...) stay in the
-config dataclasses' ``validate``.
+config dataclasses' ``validate`` (megatron/config/).
 
 tests/unit/test_flag_bounds.py tries every int/float flag of ``build_parser()`` with 0, -1 and 10**12 and fails
 for a flag without an entry here: a new numeric flag needs its row.
@@ -135,6 +136,27 @@ BOUNDS: dict[str, Bound] = {
 }
 
 
+def out_of_range(flag: str, value, name: str | None = None) -> str | None:
+    """The one-line complaint about ``value`` for the setting ``name`` (default: the flag's own name), or None
+    when its row allows it (or it has none, or the value is unset)."""
+    bound = BOUNDS.get(name or flag.lstrip("-").replace("-", "_"))
+    values = value if isinstance(value, list | tuple) else [value]  # nargs flags (--rampup-batch-size): each value
+    bad = next((v for v in values if v is not None and bound is not None and not bound.allows(v)), None)
+    if bad is None:
+        return None
+    return f"{flag} {_num(bad)}: out of range; valid: {bound.describe()}"
+
+
+def check_fields(obj, fields: dict[str, str]) -> None:
+    """Check config fields against their rows. ``fields``: field name -> (flag, or "flag=row" when the row has
+    another name than the field, e.g. ``"--checkpoint-num-layers=checkpoint_num_layers"``)."""
+    for field, flag in fields.items():
+        flag, _, row = flag.partition("=")
+        msg = out_of_range(flag, getattr(obj, field), row or None)
+        if msg:
+            raise ConfigError(msg)
+
+
 def numeric_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """Our numeric flags; upstream's flags that we only accept as no-ops or refuse (megatron/compat/flags.py) are
     classed there, not here."""
@@ -143,14 +165,10 @@ def numeric_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def check_bounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Raise one ConfigError for the first numeric flag outside its range (flags without a row pass: a tool's
-    own ``extra`` flags)."""
+    own flags)."""
     for action in numeric_actions(parser):
-        bound = BOUNDS.get(action.dest)
-        value = getattr(args, action.dest, None)
-        values = value if isinstance(value, list) else [value]  # nargs flags (--rampup-batch-size) bound each value
-        value = next((v for v in values if v is not None and bound is not None and not bound.allows(v)), None)
-        if value is None:
-            continue
         flag = max(action.option_strings, key=lambda s: (s.startswith("--"), -len(s)))
         flag = next((s for s in action.option_strings if s.replace("-", "_").strip("_") == action.dest), flag)
-        raise ConfigError(f"{flag} {_num(value)}: out of range; valid: {bound.describe()}")
+        msg = out_of_range(flag, getattr(args, action.dest, None), action.dest)
+        if msg:
+            raise ConfigError(msg)

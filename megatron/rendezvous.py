@@ -16,21 +16,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 
-from megatron.errors import ConfigError, DistributedError
+from megatron.errors import DistributedError
 from megatron.topology import RankInfo, parse_nodelist
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 _PROBE_INTERVAL_S = 0.5
 _LOOPBACK = "127.0.0.1"
-
-
-def check_flags(master_port: int | None, rendezvous_timeout_s: float) -> None:
-    """Bad values are refused before any process group (one line, exit 2)."""
-    if master_port is not None and not 0 < master_port < 65536:
-        raise ConfigError(f"--master-port {master_port} is not a TCP port: pick one in 1..65535, e.g. 29500")
-    if not rendezvous_timeout_s > 0:
-        raise ConfigError(f"--rendezvous-timeout-secs {rendezvous_timeout_s:g} must be positive (default "
-                          f"{DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
 
 
 def _short(name: str) -> str:

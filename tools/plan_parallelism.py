@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megatron.config import ModelConfig
 from megatron.errors import ConfigError, run_cli
-from megatron.model.sizes import model_names, named_model
+from megatron.config.sizes import model_names, named_model
 from megatron.perf.layout import DTYPE_BYTES, Layout
 from megatron.perf.memory import GCD_MEMORY_BYTES, GIB
 from megatron.perf.planner import Candidate, SearchSpace, evaluate, plan
@@ -36,7 +36,7 @@ LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "m
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (a named size, or the shape flags)")
-    g.add_argument("--model-size", choices=model_names(), help="a named size from megatron/model/sizes.py")
+    g.add_argument("--model-size", choices=model_names(), help="a named size from megatron/config/sizes.py")
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)

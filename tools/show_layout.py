@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from megatron.config import ModelConfig
 from megatron.errors import ConfigError, run_cli
-from megatron.model.sizes import model_names, named_model
+from megatron.config.sizes import model_names, named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GCD_MEMORY_BYTES, GIB, MemoryEstimate, estimate_memory
 from megatron.topology import (

@@ -4,7 +4,6 @@ See README.md#checkpoints-resume-conversion-and-faults for the on-disk layout, t
 """
 
 from megatron.checkpointing.checkpoint import (
-    CheckpointSettings,
     Resume,
     load_checkpoint,
     load_full_state,
@@ -13,5 +12,5 @@ from megatron.checkpointing.checkpoint import (
     save_checkpoint,
 )
 
-__all__ = ["CheckpointSettings", "Resume", "load_checkpoint", "load_full_state", "read_latest", "read_meta",
+__all__ = ["Resume", "load_checkpoint", "load_full_state", "read_latest", "read_meta",
            "save_checkpoint"]

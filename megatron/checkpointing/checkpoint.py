@@ -13,7 +13,6 @@ any moment leaves ``latest`` naming a complete checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -42,7 +41,7 @@ from megatron.checkpointing.state import (
     rng_state,
     set_rng_state,
 )
-from megatron.config import RunConfig
+from megatron.config import CheckpointSettings, RunConfig
 from megatron.core import comm
 from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
 from megatron.core.parallel_state import ParallelState
@@ -52,39 +51,6 @@ META = "megatron_meta.json"
 LATEST = "latest"
 TRACKER = "latest_checkpointed_iteration.txt"
 _TAG = re.compile(r"^global_step(\d+)$")
-
-
-@dataclass
-class CheckpointSettings:
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    exit_on_missing: bool = False
-    """--exit-on-missing-checkpoint: a --load without a checkpoint is an error, not a fresh start."""
-    keep_last: int | None = None
-    """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
-    trust_checkpoint: bool = False
-    """--trust-checkpoint: unpickle an upstream Megatron(-DeepSpeed) checkpoint's Python objects (upstream.py)."""
-    verify: str = "full"
-    """--verify-checkpoint: check the files of --load against their manifest (full: sizes and checksums)."""
-    universal_checkpoint: bool = False
-    """--universal-checkpoint: --load is DeepSpeed's universal form of an upstream checkpoint ('latest_universal')."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> CheckpointSettings:
-        s = cls(args.save, args.load, args.save_interval, args.no_save_optim, args.no_load_optim, args.no_load_rng,
-                args.finetune, getattr(args, "exit_on_missing_checkpoint", False), args.keep_last_n_checkpoints,
-                bool(getattr(args, "trust_checkpoint", False)), getattr(args, "verify_checkpoint", "full"),
-                bool(getattr(args, "universal_checkpoint", False)))
-        if s.keep_last is not None and s.keep_last < 1:
-            raise ConfigError(f"--keep-last-n-checkpoints {s.keep_last}: keep at least 1")
-        if s.save_interval is not None and s.save_interval < 1:
-            raise ConfigError(f"--save-interval {s.save_interval}: must be >= 1")
-        return s
 
 
 @dataclass
@@ -117,9 +83,9 @@ def _agreed_id() -> str:
     return f"{comm.reduce_host([mine], dtype=torch.int64)[0]:x}"
 
 
-def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argparse.Namespace, run: RunConfig,
-                    pstate: ParallelState, settings: CheckpointSettings) -> str:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfig, pstate: ParallelState) -> str:
+    """Collective: every rank calls it (to ``run.checkpoint.save``). Returns the final checkpoint directory."""
+    settings = run.checkpoint
     save_dir = settings.save
     tag = f"global_step{iteration}"
     tmp_tag = f"{tag}.tmp-{_agreed_id()}"
@@ -129,7 +95,7 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, args: argpars
     # RNG states differ per DP rank but DeepSpeed writes client_state once per model-parallel rank:
     # gather them over DP so every model file carries the whole list (Megatron does the same).
     tables = comm.all_gather_object(partition_table(engine.module, run.model.num_layers))
-    meta = {"iteration": iteration, "consumed_samples": consumed_samples, "args": plain_args(args),
+    meta = {"iteration": iteration, "consumed_samples": consumed_samples, "args": plain_args(run.flags),
             "run": plain_run(run), "has_optimizer": not settings.no_save_optim, "tag": tag,
             "lr_num_steps": iteration,  # kept for older readers; the position is "lr_scheduler" (in samples)
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

@@ -3,7 +3,6 @@ checks that decide whether a checkpoint may be resumed under the current flags."
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 
@@ -57,13 +56,15 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def plain_args(args: argparse.Namespace) -> dict:
-    """The parsed flags as JSON-able data (no pickled objects in checkpoints)."""
-    return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (bool, int, float, str))}
+def plain_args(flags: dict) -> dict:
+    """The parsed flags (``RunConfig.flags``) as JSON-able data, as upstream's checkpoints keep its ``args``
+    (no pickled objects in checkpoints)."""
+    return {k: v for k, v in flags.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
 def plain_run(run: RunConfig) -> dict:
-    return dataclasses.asdict(run)
+    """The validated settings as plain data (the record of the flags is kept apart, as 'args')."""
+    return {k: v for k, v in dataclasses.asdict(run).items() if k != "flags"}
 
 
 def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> None:

@@ -31,8 +31,6 @@ class MicroBatchPlan:
         start, incr, samples = self.rampup
         block = self.micro_batch_size * self.dp
         gbs = self.global_batch_size
-        if start <= 0 or incr <= 0 or samples <= 0:
-            raise ConfigError(f"{RAMP_FLAG} {start} {incr} {samples}: all three must be > 0")
         if start >= gbs:
             raise ConfigError(f"{RAMP_FLAG}: START {start} must be below --global-batch-size {gbs} (the batch it "
                               "ramps up to); drop the flag for a constant batch")

@@ -1,5 +1,6 @@
 """Upstream's rules for the schedule flags (megatron/arguments.py validate_args and get_optimizer_param_scheduler),
-checked on the RunConfig before any process group: which iteration/sample forms combine, --train-samples ->
+checked on the RunConfig before any process group (the ranges of the numbers themselves are
+megatron/flag_bounds.py's, checked by the config fields first): which iteration/sample forms combine, --train-samples ->
 train iterations, the ramp, and the schedule's lengths."""
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ def validate_schedule(run) -> None:
                               "--lr-warmup-samples (or --lr-warmup-fraction) for sample-based training")
         if o.lr_warmup_fraction is not None and o.lr_warmup_samples != 0:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-samples are both set: pick one")
-    for flag, value in (("--train-samples", t.train_samples), ("--train-tokens", t.train_tokens),
-                        ("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples),
-                        ("--lr-warmup-tokens", o.lr_warmup_tokens), ("--lr-decay-tokens", o.lr_decay_tokens)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{flag} {value} must be >= 0")
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both set: "
                           "pick one (the flags' schedule or the checkpoint's)")

@@ -51,7 +51,7 @@ CALIBRATION_TARGET = 0.3838
 
 def calibration_case() -> tuple[ModelConfig, Layout]:
     """The measured ORNL GPT 22B run the efficiency is fitted to."""
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     layout = Layout(tp=1, pp=8, dp=2, micro_batch_size=1, global_batch_size=640, zero_stage=1,
                     recompute_granularity="full", flash_attention=True, dtype="bf16")

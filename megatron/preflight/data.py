@@ -3,7 +3,6 @@ files), its token ids fit the tokenizer, the train split has documents, and enou
 
 from __future__ import annotations
 
-import argparse
 import glob
 import math
 import os
@@ -17,18 +16,19 @@ from megatron.errors import ConfigError, DataError, warn_once
 MANY_EPOCHS = 4
 
 
-def check_data(args: argparse.Namespace, run: RunConfig) -> None:
+def check_data(run: RunConfig) -> None:
     from megatron.data.gpt_builder import check_train_split, parse_data_path
     from megatron.data.gpt_dataset import parse_split, split_boundaries
     from megatron.data.indexed_dataset import IndexedDataset
 
-    if not getattr(args, "data_path", None):
-        if getattr(args, "per_epoch_doc_shuffle", False):  # mock/demo data have no document order to change
+    data = run.data
+    if not data.data_path:
+        if data.per_epoch_doc_shuffle:  # mock/demo data have no document order to change
             raise ConfigError("--per-epoch-doc-shuffle orders the documents of --data-path: drop it, or give "
                               "--data-path")
         return
-    weights, prefixes = parse_data_path(args.data_path)
-    parse_split(args.split)
+    weights, prefixes = parse_data_path(data.data_path)
+    parse_split(data.split)
     seq, t = run.model.seq_length, run.training
     for weight, prefix in zip(weights, prefixes, strict=True):
         if os.path.isdir(prefix):
@@ -38,8 +38,8 @@ def check_data(args: argparse.Namespace, run: RunConfig) -> None:
         ds.check_vocab(run.model.vocab_size)
         if weight == 0:
             continue
-        begin, end = split_boundaries(args.split, ds.num_documents)[:2]
-        check_train_split(args.split, ds, begin, end)
+        begin, end = split_boundaries(data.split, ds.num_documents)[:2]
+        check_train_split(data.split, ds, begin, end)
         tokens = int(ds.sizes[begin:end].astype(np.int64).sum())
         check_tokens(prefix, tokens, seq, max(1, math.ceil(t.global_batch_size * weight)),
                      math.ceil(t.train_iters * t.global_batch_size * weight))

@@ -13,7 +13,7 @@ from deepspeed.accelerator import get_accelerator
 from megatron.config import RunConfig
 from megatron.perf.flops import iteration_flops
 from megatron.training import tensorboard as tb
-from megatron.training.log_options import LogOptions
+from megatron.config.log import LogOptions
 
 
 def print_rank0(msg: str, rank: int) -> None:
@@ -34,7 +34,7 @@ class TrainingLogger:
     def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float, writer=None,
                  opts: LogOptions | None = None) -> None:
         self.run, self.rank, self.writer = run, rank, writer
-        self.opts = opts or LogOptions(tensorboard_dir=run.training.tensorboard_dir)
+        self.opts = opts or run.logging
         self.params_norm: float | None = None
         """--log-params-norm: the latest value (set by the loop on log steps), printed in the log line."""
         t, m = run.training, run.model

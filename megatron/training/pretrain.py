@@ -1,42 +1,46 @@
 """``pretrain()``: the Megatron-style entry point. Entry scripts supply providers; this runs the loop.
 
-    pretrain(argv, model_provider, datasets_provider, forward_step)
+    pretrain(argv, Providers(model, datasets, forward_step, tokenizer))
 
-model_provider(run, pstate) -> nn.Module
-datasets_provider(args, run, train_valid_test_num_samples) -> (train, valid, test); test (or valid) may be None
+model(run, pstate) -> nn.Module
+datasets(run, tokenizer, train_valid_test_num_samples) -> (train, valid, test); test (or valid) may be None
 forward_step(model, batch) -> scalar loss
+tokenizer(data: DataConfig) -> the data's tokenizer (``vocab_size``; ``eod``, None when the data has no documents)
+
+The flags become one validated RunConfig in megatron/arguments (``configure``); from here on only config objects
+travel. Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
-from megatron.arguments import parse_args, run_config_from_args
-from megatron.checkpointing import CheckpointSettings, Resume, load_checkpoint, load_full_state, save_checkpoint
+from megatron import initialize, topology
+from megatron.arguments import Tokenizer, configure
+from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
-from megatron.config import RunConfig
+from megatron.config import DataConfig, RunConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.ulysses import sequence_slices
 from megatron.data.num_samples import train_valid_test_num_samples
-from megatron.errors import ConfigError
+from megatron.engine import build_ds_config, initialize_engine, is_pipeline, log_notes
+from megatron.optim.schedule_config import micro_batch_plan
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
-from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.evaluate import Evaluation, dp_mean
+from megatron.training.layout_report import layout_report
 from megatron.training.log import TrainingLogger, print_rank0
-from megatron.training.log_options import LogOptions
-from megatron.training.profiler import StepProfiler, profile_window
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
-from megatron.optim.schedule_config import micro_batch_plan
 from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
+from megatron.training.profiler import StepProfiler
 from megatron.training.step import set_num_microbatches, train_step
 from megatron.training.tensorboard import open_writer, write_optimizer_stats
 from megatron.training.timers import Timers
@@ -48,73 +52,57 @@ class Providers:
     model: Callable
     datasets: Callable
     forward_step: Callable
-    vocab_size: Callable[[argparse.Namespace], int]
-    """Vocabulary size (before padding) implied by the data/tokenizer flags."""
-    eod: Callable[[argparse.Namespace], int | None] | None = None
-    """The end-of-document token of the data (--eod-mask-loss); None: the data has no documents."""
+    tokenizer: Callable[[DataConfig], Tokenizer]
+    """The data's tokenizer, built once from the data settings: its vocabulary (before padding) sizes the model,
+    its end-of-document token is what --eod-mask-loss masks."""
 
 
 _dp_mean = dp_mean  # the DP average of a host number or device scalar (tests import it from here)
 
 
-def pretrain(argv, providers: Providers, extra_args=None) -> dict:
+def pretrain(argv, providers: Providers) -> dict:
     """Parse flags, set up, train. Returns a summary (first/last loss) for scripts and tests."""
-    from megatron import topology
-    from megatron.engine import build_ds_config, initialize_engine, log_notes
-    from megatron.initialize import initialize_megatron, shutdown
-
-    args = parse_args(argv, extra_args)
-    profile_window(args)  # --profile's flags: one line now, not after the model is built
-    if args.kill_switch_file and os.path.exists(args.kill_switch_file):  # upstream: exit 0 before training
-        print(f"> kill switch {args.kill_switch_file} is present: exiting before training (remove it to train)",
-              flush=True)
-        return {"iterations": 0, "exit_reason": f"kill switch {args.kill_switch_file}"}
-    check_rendezvous_flags(args.master_port, args.rendezvous_timeout_secs)
     ranks = topology.discover_ranks(os.environ)
-    run = run_config_from_args(args, ranks.world_size, providers.vocab_size(args))
-    eod = _eod_token(args, providers)  # --eod-mask-loss: checked now, before any process group
+    run, tokenizer = configure(argv, ranks.world_size, providers.tokenizer)
+    kill = run.runtime.kill_switch_file
+    if kill and os.path.exists(kill):  # upstream: exit 0 before training
+        print(f"> kill switch {kill} is present: exiting before training (remove it to train)", flush=True)
+        return {"iterations": 0, "exit_reason": f"kill switch {kill}"}
+    eod = tokenizer.eod if run.data.eod_mask_loss else None
     # Ranks per node come from the launcher (Slurm/torchrun/MPI), never from device_count(): under
     # Frontier's --gpus-per-task=1 every process sees exactly one device.
     topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
                                   ranks_per_node=max(1, ranks.local_world_size),
-                                  allow_tp_across_nodes=args.allow_tp_across_nodes)
-    if run.parallel.pp > 1 and args.no_pipeline_parallel:
-        raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {run.parallel.pp}: the plain "
-                          "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
-
-    # Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
-    log_opts = LogOptions.from_args(args)
-    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
-                                clip_grad_given=args.clip_grad is not None)
+                                  allow_tp_across_nodes=run.runtime.allow_tp_across_nodes)
+    ds_config = build_ds_config(run, run.deepspeed.config, zero_stage_given=run.deepspeed.zero_stage_given,
+                                clip_grad_given=run.deepspeed.clip_grad_given)
     log_notes(ds_config, ranks.rank)  # JSON keys with no effect, unused optimizer/scheduler sections: said once
-    ckpt = CheckpointSettings.from_args(args)
-    check_checkpoint_support(run, ds_config, ckpt)  # engine x --save/--load: refused now, not at the first save
-    preflight(args, run, ckpt)  # data files, --load metadata, --save writable: still no process group
+    check_checkpoint_support(run, ds_config, run.checkpoint)  # engine x --save/--load: refused now, not at a save
+    preflight(run)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
-    pstate = initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed, args.distributed_backend,
-                                 args.distributed_timeout_minutes, args.master_addr, args.master_port,
-                                 args.rendezvous_timeout_secs, sp=run.parallel.sp)
+    rt = run.runtime
+    pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
+                                            rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
+                                            rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
     watchdog = None
     try:
         if rank == 0:
-            from megatron.training.layout_report import layout_report
-
             print(layout_report(run, pstate), flush=True)
         model = providers.model(run, pstate)
         n_params = sum(p.numel() for p in model.parameters())
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
-        full = load_full_state(model, run, pstate, ckpt)  # a full-state --load goes in before ZeRO partitions
+        full = load_full_state(model, run, pstate, run.checkpoint)  # a full-state --load goes in before ZeRO
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
-        resume = load_checkpoint(engine, run, pstate, ckpt, full)
-        watchdog = start_watchdog(args.watchdog_timeout_secs)
-        return _train(args, run, pstate, engine, providers, resume, ckpt, log_opts, eod)
+        resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
+        watchdog = start_watchdog(rt.watchdog_timeout_secs)
+        return _train(run, pstate, engine, providers, tokenizer, resume, eod)
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
@@ -123,27 +111,13 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     finally:
         if watchdog is not None:
             watchdog.stop()
-        shutdown()
+        initialize.shutdown()
 
 
-def _eod_token(args, providers: Providers) -> int | None:
-    """The token --eod-mask-loss masks (None without the flag); refused here when the data has none."""
-    if not getattr(args, "eod_mask_loss", False):
-        return None
-    eod = providers.eod(args) if providers.eod is not None else None
-    if eod is None:
-        raise ConfigError("--eod-mask-loss needs data made of documents with an end-of-document token: use "
-                          "--data-path with its tokenizer (or --demo-corpus); --mock-data has none")
-    return eod
-
-
-def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Providers, resume: Resume,
-           ckpt: CheckpointSettings, opts: LogOptions | None = None, eod: int | None = None) -> dict:
+def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Tokenizer,
+           resume: Resume, eod: int | None = None) -> dict:
     """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask)."""
-    from megatron.engine import is_pipeline
-
-    opts = opts or LogOptions.from_args(args)
-    t = run.training
+    opts, ckpt, t = run.logging, run.checkpoint, run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
     for note in opts.notes:
@@ -155,10 +129,10 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     num_samples = train_valid_test_num_samples(t.train_iters, max(plan.samples_after(t.train_iters),
                                                                   t.train_samples or 0), gbs,
                                                t.eval_interval, t.eval_iters)
-    train_ds, valid_ds, test_ds = (*providers.datasets(args, run, num_samples), None)[:3]
+    train_ds, valid_ds, test_ds = (*providers.datasets(run, tokenizer, num_samples), None)[:3]
     mbs, dp = t.micro_batch_size, pstate.dp
-    loading = {"num_workers": args.num_workers, "dataloader_type": args.dataloader_type, "seed": t.seed,
-               "data_sharding": getattr(args, "data_sharding", True)}
+    loading = {"num_workers": run.data.num_workers, "dataloader_type": run.data.dataloader_type, "seed": t.seed,
+               "data_sharding": run.data.data_sharding}
     def stream(dataset, start: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``start`` (--eod-mask-loss masks added); SP
         peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence."""
@@ -175,20 +149,18 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     peak, peak_src = device_peak_tflops(run.precision.name, t.peak_tflops)
     print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)
     # Upstream writes nothing to TensorBoard under --skip-train (not even the flags).
-    writer = None if opts.skip_train else open_writer(opts, rank, args, resume.iteration)
+    writer = None if opts.skip_train else open_writer(opts, rank, run.flags, resume.iteration)
     logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, writer, opts)
     timers = Timers(opts.timing_level, opts.timing_option, opts.barrier_l1)
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
                             resume.iteration, logger, stream, plan)
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
-    control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
-                         args.max_nonfinite_loss_iters, saving=bool(ckpt.save),
-                         kill_switch_file=getattr(args, "kill_switch_file", None), checks_files=rank == 0)
+    rt = run.runtime
+    control = RunControl(ckpt.save_interval, rt.exit_interval, rt.exit_duration_in_mins, rt.max_nonfinite_loss_iters,
+                         saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0)
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
-    from deepspeed.accelerator import get_accelerator
-
-    profiler = StepProfiler(args, rank, get_accelerator().device_name())  # --profile: upstream's window
+    profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     resume.restore_rng()
     if opts.skip_train:
         print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
@@ -247,13 +219,13 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         evaluation.periodic(it, consumed, n_micro)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
-            save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
+            save_checkpoint(engine, it, consumed, run, pstate)
         if decision.exit:
             print_rank0(f"> exiting at iteration {it} after a checkpoint: {decision.reason}", rank)
             break
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
-        save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
+        save_checkpoint(engine, it, consumed, run, pstate)  # the end of training is always kept
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.
@@ -263,7 +235,7 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                                   num_microbatches=end_micro)
     if writer is not None:
         writer.close()
-        print_rank0(f"> TensorBoard event files in {run.training.tensorboard_dir}", rank)
+        print_rank0(f"> TensorBoard event files in {opts.tensorboard_dir}", rank)
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
             "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final,

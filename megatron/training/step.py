@@ -10,6 +10,7 @@ import torch
 
 from megatron.core import comm
 from megatron.core.ulysses import sequence_mean
+from megatron.optim.grad_norm import grad_norm
 
 
 class _NoTimers:

@@ -11,20 +11,20 @@ import math
 
 from deepspeed.accelerator import get_accelerator
 
-from megatron.training.log_options import LogOptions
+from megatron.config.log import LogOptions
 
 
-def open_writer(opts: LogOptions, rank: int, args=None, iteration: int = 0):
+def open_writer(opts: LogOptions, rank: int, flags: dict | None = None, iteration: int = 0):
     """SummaryWriter on rank 0 when --tensorboard-dir is set (queue of --tensorboard-queue-size events), with every
-    flag written as text at the start iteration, as upstream's write_args_to_tensorboard."""
+    flag (``RunConfig.flags``) written as text at the start iteration, as upstream's write_args_to_tensorboard."""
     if not opts.tensorboard or rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
     print("> setting tensorboard ...", flush=True)
     writer = SummaryWriter(log_dir=opts.tensorboard_dir, max_queue=opts.tensorboard_queue_size)
-    if args is not None:
-        for name, value in sorted(vars(args).items()):
+    if flags is not None:
+        for name, value in sorted(flags.items()):
             writer.add_text(name, str(value), global_step=iteration)
     return writer
 

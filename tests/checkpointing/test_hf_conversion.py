@@ -9,7 +9,7 @@ from megatron.checkpointing.full_state import canonical_name, load_into_model, m
 from megatron.core.parallel_state import GroupInfo, single_process_state
 from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.model.gpt_model import GPTModel
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 
 VARIANTS = {
     "gpt2": dict(),

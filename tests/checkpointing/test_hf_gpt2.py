@@ -128,7 +128,7 @@ def test_default_gpt2_imports_matches_trains_and_exports(tmp_path):
 def test_matching_flags_rebuild_the_model(name, fields):
     from megatron.checkpointing.hf import matching_flags
     from megatron.checkpointing.state import SHAPE_FIELDS
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     want = dataclasses.asdict(named_model(name, vocab_size=300, **fields))
     got = dataclasses.asdict(model_config_from_args(parse_args(matching_flags(want)), 300))

@@ -44,7 +44,7 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     from megatron.core.parallel_state import single_process_state
     from megatron.errors import ConfigError
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from tools.convert_checkpoint_to_hf import main as to_hf
     from tools.reshard_checkpoint import main as reshard
 

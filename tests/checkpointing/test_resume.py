@@ -47,7 +47,7 @@ def test_zero3_dp2_resume_exact_and_zero_to_fp32(tmp_path):
 
     from megatron.core.parallel_state import single_process_state
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.training.step import gpt_forward_step
 
     args = BASE + NO_DROPOUT + ["--zero-stage", "3"] + ITERS

@@ -66,7 +66,6 @@ def test_first_resumed_iteration_uses_the_new_schedule(tmp_path):
         assert lrs[name] == pytest.approx({i: lrs["straight"][i] for i in lrs[name]}, rel=1e-9), (name, lrs[name])
     # Without the flag the changed schedule is one line before any process group (upstream: an assertion).
     from megatron.arguments import parse_args, run_config_from_args
-    from megatron.checkpointing import CheckpointSettings
     from megatron.errors import CheckpointError
     from megatron.preflight.checkpoints import check_load
 
@@ -77,6 +76,6 @@ def test_first_resumed_iteration_uses_the_new_schedule(tmp_path):
         run = run_config_from_args(args, 2, 200)
         if refused:
             with pytest.raises(CheckpointError, match="decay length \\(samples\\) 8 in the checkpoint, 24 "):
-                check_load(CheckpointSettings.from_args(args), run)
+                check_load(run.checkpoint, run)
         else:
-            check_load(CheckpointSettings.from_args(args), run)
+            check_load(run.checkpoint, run)

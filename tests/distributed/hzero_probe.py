@@ -22,7 +22,7 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
                weights: str = "node", levels: str = "package,node,network", bf16: bool = False):
     """The RunConfig of one mode (fp32 unless ``bf16``, clipping active, dropout off)."""
     from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     kw = {"use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
               "make_vocab_size_divisible_by": 64} | MODEL_KW | (model_kw or {})

@@ -127,7 +127,7 @@ def build_run(tp: int, zero: int, sp: bool, mbs: int, gbs: int, model_kw: dict, 
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.engine import build_ds_config, initialize_engine
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.training.batches import microbatches
 
     world = dist.get_world_size()
@@ -298,7 +298,7 @@ def pipe_probe_worker(configs: list[dict], steps: int = 2) -> list[dict]:
     from megatron.engine import build_ds_config, initialize_engine
     from megatron.initialize import initialize_distributed
     from megatron.model.gpt_model_pipe import GPTModelPipe
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.training.batches import microbatches
     from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 

@@ -22,7 +22,7 @@ ORNL_OPTIMIZER = {"optimizer": {"type": "Adam", "params": {"torch_adam": False, 
 
 def _run_config(zero=0, optimizer="adam", fp16=False, cpu_torch_adam=False, **prec):
     from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                         seq_length=16, vocab_size=120, make_vocab_size_divisible_by=64)

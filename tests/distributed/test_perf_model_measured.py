@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import estimate_memory

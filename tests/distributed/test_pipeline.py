@@ -22,7 +22,7 @@ VARIANTS = {  # name -> (named model, untie)
 
 def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     name, untie = VARIANTS[variant]
     model = named_model(name, num_layers=4, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,

@@ -20,7 +20,7 @@ def _shard(full, p, tp):
 def _compare_model(variant, tp, sequence_parallel):
     from megatron.core.parallel_state import GroupInfo
     from megatron.model.gpt_model import GPTModel, gather_logits
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     cfg = named_model(variant, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                       seq_length=16, vocab_size=250, make_vocab_size_divisible_by=64)

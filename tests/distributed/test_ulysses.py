@@ -15,7 +15,7 @@ PIPE_STEPS = 4
 
 
 def _model_cfg(variant):
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     cfg = named_model(variant, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                       seq_length=SEQ, vocab_size=250, make_vocab_size_divisible_by=64)

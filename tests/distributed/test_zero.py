@@ -10,7 +10,7 @@ STEPS, GBS, MBS = 10, 4, 1
 
 def _run_config(dp, tp, zero, wd_style="linear", wd_start=0.1, wd_end=1.0):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                         seq_length=16, vocab_size=120, make_vocab_size_divisible_by=64)

@@ -64,7 +64,7 @@ def _models(sp_sizes: list[int], model_kw: dict, micro_batch: int):
     from megatron.core.parallel_state import GroupInfo, ParallelState
     from megatron.core.ulysses import slice_batch
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     cfg = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                       make_vocab_size_divisible_by=64, **model_kw)

@@ -3,21 +3,21 @@ report as the CUDA activity). The CPU twin is tests/unit/test_profiler.py."""
 
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
 
 import torch
 
+from megatron.config import ProfileConfig
 from megatron.training.profiler import StepProfiler
 
 
 def test_trace_holds_device_kernels(tmp_path):
     from deepspeed.accelerator import get_accelerator
 
-    args = argparse.Namespace(profile="pt", profile_steps="2,3", profile_ranks=None, tensorboard_dir=str(tmp_path))
-    profiler = StepProfiler(args, rank=0, device_name=get_accelerator().device_name())
+    profile = ProfileConfig(mode="pt", steps="2,3", ranks=None, tensorboard_dir=str(tmp_path))
+    profiler = StepProfiler(profile, rank=0, device_name=get_accelerator().device_name())
     x = torch.randn(256, 256, device=get_accelerator().current_device_name())
     for _ in range(4):
         profiler.begin()

@@ -64,7 +64,6 @@ def test_layout_without_manifest(tmp_path):
 
 def test_checkpoint_size_and_low_space_warning(monkeypatch, capsys, tmp_path):
     from megatron.arguments import parse_args, run_config_from_args
-    from megatron.checkpointing import CheckpointSettings
     from megatron.preflight import check_save_space
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -79,9 +78,9 @@ def test_checkpoint_size_and_low_space_warning(monkeypatch, capsys, tmp_path):
     assert space.checkpoint_bytes(run) == params * (4 + 8)  # fp32 ZeRO-0: weights + Adam m, v
     assert space.checkpoint_bytes(run, with_optimizer=False) == params * 4
     monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
-    check_save_space(CheckpointSettings.from_args(args), run)
+    check_save_space(run.checkpoint, run)
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"> WARNING: --save {tmp_path}: its file system has 1,000 bytes") and "needs about" in out
     monkeypatch.setattr(space, "free_bytes", lambda path: 10**12)
-    check_save_space(CheckpointSettings.from_args(args), run)
+    check_save_space(run.checkpoint, run)
     assert capsys.readouterr().out == ""

@@ -6,7 +6,6 @@ import json
 import pytest
 
 from megatron.arguments import parse_args, run_config_from_args
-from megatron.checkpointing import CheckpointSettings
 from megatron.checkpointing.support import ENGINES, check_supported, engine_kind
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
@@ -50,7 +49,7 @@ def _run(engine: str, flag: str, tmp_path):
         argv += ["--deepspeed_config", str(path)]
     args = parse_args(argv)
     run = run_config_from_args(args, world, 128)
-    return run, build_ds_config(run, args.deepspeed_config, zero_stage_given=True), CheckpointSettings.from_args(args)
+    return run, build_ds_config(run, args.deepspeed_config, zero_stage_given=True), run.checkpoint
 
 
 @pytest.mark.parametrize("flag", sorted(FLAGS))

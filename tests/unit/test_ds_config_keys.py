@@ -13,7 +13,7 @@ from megatron.compat import ds_config_keys as keys
 from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.engine import NOTES_KEY, build_ds_config
 from megatron.errors import ConfigError
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compat_json")
 

@@ -89,7 +89,7 @@ def test_bias_gelu_and_bias_dropout_add_equal_the_unfused_ops():
 def _gpt_grads(fused: bool, **over):
     from megatron.core.parallel_state import GroupInfo
     from megatron.model.gpt_model import GPTModel
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     cfg = named_model("debug", seq_length=16, hidden_dropout=0.1, attention_dropout=0.0, attention_backend="torch",
                       bias_gelu_fusion=fused, bias_dropout_fusion=fused, torch_compile=fused, **over)

@@ -16,7 +16,6 @@ VALUES = (0, -1, 10**12)
 
 def _up_to_process_group(argv: list[str]) -> None:
     """What pretrain() does with the flags before initialize_megatron (no model, no process group)."""
-    from megatron.checkpointing import CheckpointSettings
     from megatron.checkpointing.support import check_supported as check_checkpoint_support
     from megatron.engine import build_ds_config
     from megatron.preflight import preflight
@@ -25,9 +24,8 @@ def _up_to_process_group(argv: list[str]) -> None:
     args = parse_args(argv)
     run = run_config_from_args(args, 1, args.vocab_size or 200)
     ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
-    ckpt = CheckpointSettings.from_args(args)
-    check_checkpoint_support(run, ds_config, ckpt)
-    preflight(args, run, ckpt)
+    check_checkpoint_support(run, ds_config, run.checkpoint)
+    preflight(run)
     check_layout(ds_config)
 
 

@@ -106,7 +106,7 @@ def test_tier_accounting_group_and_ring():
 
 
 def test_planner_20b_on_48_nodes_orders_the_modes():
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.perf.comm import estimate_comm
     from megatron.perf.layout import Layout
     from megatron.perf.step_time import estimate_step_time

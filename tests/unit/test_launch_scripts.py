@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_memory
 

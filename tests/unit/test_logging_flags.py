@@ -6,17 +6,17 @@ import math
 import pytest
 import torch
 
-from megatron.arguments import parse_args
+from megatron.arguments import log_options_from_args, parse_args
 from megatron.core.parallel_state import single_process_state
 from megatron.errors import ConfigError
 from megatron.training import tensorboard as tb
-from megatron.training.log_options import LogOptions
+from megatron.config.log import LogOptions
 from megatron.training.model_stats import OPTIMIZER_STATS, optimizer_stats, params_norm
 from megatron.training.timers import Timers
 
 
 def _opts(*flags: str) -> LogOptions:
-    return LogOptions.from_args(parse_args(list(flags)))
+    return log_options_from_args(parse_args(list(flags)))
 
 
 class _Rec:
@@ -85,12 +85,13 @@ def test_validation_ppl_tags():
 
 def test_queue_size_and_args_reach_the_writer(tmp_path):
     args = parse_args(["--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7", "--seed", "5"])
-    writer = tb.open_writer(LogOptions.from_args(args), 0, args)
+    writer = tb.open_writer(log_options_from_args(args), 0, vars(args))
     try:
         assert writer.max_queue == 7  # SummaryWriter's own record of max_queue
     finally:
         writer.close()
-    assert tb.open_writer(LogOptions.from_args(args), 1, args) is None  # rank 0 writes, as every rank has the values
+    # rank 0 writes, as every rank has the values
+    assert tb.open_writer(log_options_from_args(args), 1, vars(args)) is None
     from tensorboard.backend.event_processing import event_accumulator
 
     acc = event_accumulator.EventAccumulator(str(tmp_path))
@@ -171,4 +172,4 @@ def test_every_upstream_logging_flag_reaches_the_options():
                 "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard"]
     for flag in honoured:
         args = parse_args([flag] + ([values[flag]] if flag in values else []))
-        assert LogOptions.from_args(args) != LogOptions.from_args(parse_args([])), flag
+        assert log_options_from_args(args) != log_options_from_args(parse_args([])), flag

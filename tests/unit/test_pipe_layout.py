@@ -2,6 +2,7 @@
 (no processes: everything here is pure)."""
 
 import json
+from types import SimpleNamespace
 from itertools import pairwise
 
 import pytest
@@ -12,7 +13,7 @@ from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
 from megatron.model.gpt_model_pipe import check_topology, partition, spec_kinds, stage_contents
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.training.layout_report import layout_report
 
 
@@ -110,4 +111,4 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--no-pipeline-parallel"]
     with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
-        pretrain(argv, Providers(None, None, None, lambda args: 100))
+        pretrain(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))

@@ -1,6 +1,5 @@
 """--profile / --profile_steps / --profile-ranks (upstream's PyTorch profiler window), in-process on CPU."""
 
-import argparse
 import glob
 import gzip
 import json
@@ -8,13 +7,18 @@ import json
 import pytest
 import torch
 
+from megatron.config import ProfileConfig
 from megatron.errors import ConfigError
-from megatron.training.profiler import StepProfiler, profile_window
+from megatron.training.profiler import StepProfiler
 
 
 def _args(tmp_path, **kw):
-    base = {"profile": "pt", "profile_steps": "2,3", "profile_ranks": None, "tensorboard_dir": str(tmp_path)}
-    return argparse.Namespace(**{**base, **kw})
+    base = {"mode": "pt", "steps": "2,3", "ranks": None, "tensorboard_dir": str(tmp_path)}
+    return ProfileConfig(**{**base, **kw})
+
+
+def profile_window(profile: ProfileConfig):
+    return profile.validate().window
 
 
 def _run(profiler, steps=5):
@@ -36,14 +40,14 @@ def test_the_window_is_traced_into_the_tensorboard_dir(tmp_path):
 
 
 def test_other_ranks_and_no_flag_trace_nothing(tmp_path):
-    _run(StepProfiler(_args(tmp_path, profile_ranks=[0]), rank=1, device_name="cpu"))
-    _run(StepProfiler(_args(tmp_path, profile=None), rank=0, device_name="cpu"))
+    _run(StepProfiler(_args(tmp_path, ranks=(0,)), rank=1, device_name="cpu"))
+    _run(StepProfiler(_args(tmp_path, mode=None), rank=0, device_name="cpu"))
     assert not glob.glob(str(tmp_path / "*"))
 
 
 @pytest.mark.parametrize("steps,match", [("3", "START,END"), ("3,2", "1 <= START <= END"), ("0,1", "1 <= START")])
 def test_bad_windows_are_one_line(tmp_path, steps, match):
     with pytest.raises(ConfigError, match=match):
-        profile_window(_args(tmp_path, profile_steps=steps))
+        profile_window(_args(tmp_path, steps=steps))
     with pytest.raises(ConfigError, match="--tensorboard-dir"):
         profile_window(_args(tmp_path, tensorboard_dir=None))

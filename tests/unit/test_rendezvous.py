@@ -13,7 +13,8 @@ import pytest
 
 from megatron import rendezvous
 from megatron.errors import ConfigError, DistributedError
-from megatron.rendezvous import check_flags, rendezvous_store, resolve_master
+from megatron.config import RuntimeConfig
+from megatron.rendezvous import rendezvous_store, resolve_master
 from megatron.topology import RankInfo, discover_ranks, parse_nodelist
 from tests.functional.cli import REPO, TINY
 from tests.launcher import free_port
@@ -87,9 +88,9 @@ def test_unchanged_outside_slurm_on_one_node_and_under_torchrun():
 
 def test_bad_flags_refused_in_one_line():
     with pytest.raises(ConfigError, match="--master-port 70000"):
-        check_flags(70000, 60)
+        RuntimeConfig(master_port=70000, rendezvous_timeout_secs=60).validate()
     with pytest.raises(ConfigError, match="--rendezvous-timeout-secs"):
-        check_flags(None, 0)
+        RuntimeConfig(master_port=None, rendezvous_timeout_secs=0).validate()
 
 
 def _info(rank: int, port: int, world: int = 2) -> RankInfo:

@@ -8,7 +8,7 @@ import torch
 from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.flops import iteration_flops
 from megatron.optim.lr_schedule import OptimizerParamScheduler, ScheduleShape
 

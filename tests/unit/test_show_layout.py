@@ -11,7 +11,7 @@ import pytest
 
 from megatron.config import ModelConfig
 from megatron.errors import ConfigError, run_cli
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_memory
 

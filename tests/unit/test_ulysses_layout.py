@@ -32,7 +32,7 @@ def test_slices_rebuild_tokens_labels_and_mask():
 
 def _run(world, sp, **model):
     from megatron.config import ParallelConfig, RunConfig, TrainingConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     return RunConfig(model=named_model("debug-llama", **model),
                      parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp),
@@ -54,7 +54,7 @@ def test_unsplittable_layouts_are_refused_in_one_line(world, sp, model, needle):
 
 def test_sp_with_pipeline_validates_and_sp_divides_the_pipeline_sends():
     from megatron.config import ParallelConfig, RunConfig
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.perf.comm import estimate_comm
     from megatron.perf.layout import Layout
 
@@ -83,7 +83,7 @@ def test_dp_excludes_sp_and_the_flag_reaches_the_config():
 def test_hierarchical_zero_with_sp_is_refused_in_one_line():
     from megatron.config import ParallelConfig, RunConfig, TrainingConfig
     from megatron.engine import build_ds_config
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
 
     run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
         world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
@@ -94,7 +94,7 @@ def test_hierarchical_zero_with_sp_is_refused_in_one_line():
 
 
 def test_memory_model_and_planner_have_the_sp_dimension():
-    from megatron.model.sizes import named_model
+    from megatron.config.sizes import named_model
     from megatron.perf.layout import Layout
     from megatron.perf.memory import estimate_memory
     from megatron.perf.planner import SearchSpace, enumerate_layouts

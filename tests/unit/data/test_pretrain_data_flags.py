@@ -30,13 +30,13 @@ def _pretrain_recording(argv: list[str]) -> dict:
         calls.append({"consumed": consumed, "len": len(dataset), "per_epoch": dataset.per_epoch_order, **kwargs})
         return real_microbatches(dataset, consumed, *args, device="cpu", **kwargs)
 
-    def datasets(args, run, num_samples):
+    def datasets(run, tokenizer, num_samples):
         asked.append(tuple(num_samples))
-        return real_datasets(args, run, num_samples)
+        return real_datasets(run, tokenizer, num_samples)
 
     pt.microbatches = microbatches
     summary = pt.pretrain(argv, pt.Providers(pretrain_gpt.model_provider, datasets, forward_step,
-                                             pretrain_gpt.vocab_size, pretrain_gpt.eod_token))
+                                             pretrain_gpt.tokenizer_provider))
     return {"calls": calls, "asked": asked, "iterations": summary["iterations"], "masks": masks}
 
 
@@ -69,17 +69,13 @@ def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
 
 
 def test_eod_mask_loss_without_documents_is_refused_in_one_line():
-    import argparse
-
     import pretrain_gpt
     import pytest
 
+    from megatron.config import DataConfig
     from megatron.errors import ConfigError
-    from megatron.training import pretrain as pt
 
-    providers = pt.Providers(None, None, None, pretrain_gpt.vocab_size, pretrain_gpt.eod_token)
-    args = argparse.Namespace(eod_mask_loss=True, data_path=None, demo_corpus=False, mock_data=True)
     with pytest.raises(ConfigError, match="--eod-mask-loss needs data made of documents.*--mock-data has none"):
-        pt._eod_token(args, providers)
-    assert pt._eod_token(argparse.Namespace(eod_mask_loss=True, data_path=None, demo_corpus=True), providers) == 256
-    assert pt._eod_token(argparse.Namespace(eod_mask_loss=False), providers) is None
+        DataConfig(eod_mask_loss=True, mock_data=True, vocab_size=8).validate()
+    assert pretrain_gpt.tokenizer_provider(DataConfig(eod_mask_loss=True, demo_corpus=True).validate()).eod == 256
+    assert pretrain_gpt.tokenizer_provider(DataConfig(mock_data=True, vocab_size=8).validate()).eod is None

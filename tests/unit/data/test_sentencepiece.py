@@ -4,7 +4,6 @@ here by tools/train_tokenizer.py, against sentencepiece itself, upstream's own c
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -155,10 +154,11 @@ def _free_port() -> int:
     return free_port()
 
 
-def _pretrain_args(**kw) -> argparse.Namespace:
-    from megatron.arguments import parse_args
+def _pretrain_data(**kw):
+    from megatron.arguments import data_config_from_args, parse_args
 
-    return parse_args(["--data-path", "x", *sum((["--" + k.replace("_", "-"), v] for k, v in kw.items()), [])])
+    return data_config_from_args(parse_args(["--data-path", "x", *sum((["--" + k.replace("_", "-"), v]
+                                                                       for k, v in kw.items()), [])]))
 
 
 def test_default_tokenizer_type_is_gpt2_bpe(tokenizer_dir, load_tool):
@@ -166,9 +166,10 @@ def test_default_tokenizer_type_is_gpt2_bpe(tokenizer_dir, load_tool):
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     vocab, merges = os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt")
-    args = _pretrain_args(vocab_file=vocab, merge_file=merges)
-    assert entry.vocab_size(args) == len(json.load(open(vocab))) and args.tokenizer_type == "GPT2BPETokenizer"
+    data = _pretrain_data(vocab_file=vocab, merge_file=merges)
+    assert entry.tokenizer_provider(data).vocab_size == len(json.load(open(vocab))) and \
+        data.tokenizer_type == "GPT2BPETokenizer"
     with pytest.raises(ConfigError, match=r"without --tokenizer-type uses GPT2BPETokenizer .* needs --merge-file"):
-        entry.vocab_size(_pretrain_args(vocab_file=vocab))
+        entry.tokenizer_provider(_pretrain_data(vocab_file=vocab))
     with pytest.raises(ConfigError, match=r"--vocab-file .*nope\.json not found"):
-        entry.vocab_size(_pretrain_args(vocab_file=vocab + ".nope.json", merge_file=merges))
+        entry.tokenizer_provider(_pretrain_data(vocab_file=vocab + ".nope.json", merge_file=merges))

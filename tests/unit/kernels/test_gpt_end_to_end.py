@@ -10,7 +10,7 @@ import torch
 from megatron.core.parallel_state import GroupInfo
 from megatron.kernels import select
 from megatron.model.gpt_model import GPTModel
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 
 STEPS = 5
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron.core.parallel_state import GroupInfo
 from megatron.model.gpt_model import GPTModel
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.flops import iteration_flops
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.config import ModelConfig
 from megatron.errors import ConfigError
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import (
     GIB,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from megatron.perf.memory import GIB
 from megatron.perf.planner import SearchSpace, enumerate_layouts, plan, pp_splits_sensibly
 

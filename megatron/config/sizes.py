@@ -5,7 +5,7 @@ The GPT 22B / 175B / 1T shapes are the ones used by the ORNL Frontier runs (see 
 
 from __future__ import annotations
 
-from megatron.config import ModelConfig
+from megatron.config.model import ModelConfig
 from megatron.errors import ConfigError
 
 _GPT2 = dict(normalization="layernorm", swiglu=False, position_embedding_type="learned_absolute")

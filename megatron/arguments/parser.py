@@ -1,18 +1,15 @@
-"""Megatron-DeepSpeed's command-line flags, turned into validated config dataclasses.
-
-Only entry points (pretrain_gpt.py, tools/) call this; model and data code take the configs.
-Flag names keep Megatron's spelling (dashes), except DeepSpeed's own --deepspeed_config and --local_rank.
-"""
+"""Megatron-DeepSpeed's command-line flags: their definitions, upstream's flag classes applied (megatron/compat) and
+every numeric flag checked against its range (megatron/flag_bounds.py). Flag names keep Megatron's spelling
+(dashes), except DeepSpeed's own --deepspeed_config and --local_rank."""
 
 from __future__ import annotations
 
 import argparse
 
-from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.compat import flags as compat
+from megatron.config import model_names
 from megatron.errors import ConfigError, launcher_rank
 from megatron.flag_bounds import check_bounds
-from megatron.model.sizes import model_names, named_model
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:
@@ -167,7 +164,7 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-ranks", type=int, nargs="+", default=None, help="ranks to profile (default: all)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
-    # Upstream Megatron-DeepSpeed's logging flags (megatron/training/log_options.py says what each does here).
+    # Upstream Megatron-DeepSpeed's logging flags (megatron/config/log.py says what each does here).
     g.add_argument("--tensorboard-log-interval", type=int, default=1, help="write TensorBoard scalars every N iters")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="events the TensorBoard writer queues before it flushes to disk")
@@ -280,23 +277,21 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see python pretrain_gpt.py --help)")
 
 
-def build_parser(extra=None) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
     _parallel(p)
     _model(p)
     _training(p)
     _checkpointing(p)
-    if extra is not None:
-        extra(p)
     compat.add_upstream_flags(p)  # last: every upstream flag we do not define, to classify what was given
     return p
 
 
-def parse_args(argv=None, extra=None) -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     """Parse, apply upstream's flag classes (megatron/compat/flags.py: a refused flag is a ConfigError, a given
     no-op is said once), then check every numeric flag against its range (megatron/flag_bounds.py, the table beside
     these definitions): a value out of range is one ConfigError naming the flag and the range."""
-    parser = build_parser(extra)
+    parser = build_parser()
     args = parser.parse_args(argv)
     for note in compat.apply(args):
         if launcher_rank() == 0:
@@ -315,140 +310,3 @@ def _resolve_aliases(args: argparse.Namespace) -> None:
                               "the same setting, keep one")
         if value is None and other is not None:
             setattr(args, name, other)
-
-
-_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-
-
-def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    overrides = {
-        "num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
-        "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
-        "seq_length": args.seq_length, "max_position_embeddings": args.max_position_embeddings,
-        "normalization": args.normalization, "swiglu": args.swiglu, "openai_gelu": args.openai_gelu,
-        "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
-    }
-    if args.position_embedding_type or args.use_rotary_position_embeddings:
-        overrides["position_embedding_type"] = args.position_embedding_type or "rope"
-    if args.disable_bias_linear:
-        overrides["add_bias_linear"] = False
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else
-                                                 "selective" if args.recompute_activations else None)
-    recompute_layers, chunk = _recompute_layout(args, granularity)
-    common = dict(
-        vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
-        recompute_granularity=granularity, recompute_num_layers=recompute_layers, checkpoint_chunk_layers=chunk,
-        recompute_partition=args.partition_activations, recompute_on_cpu=args.checkpoint_in_cpu,
-        recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
-        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
-        torch_compile=args.torch_compile,
-    )
-    if args.model_size:
-        return named_model(args.model_size, **overrides, **common)
-    missing = [f"--{f.replace('_', '-')}" for f in _SHAPE_FLAGS if getattr(args, f) is None]
-    if missing:
-        raise ConfigError(f"{', '.join(missing)} not given: pass the model shape or --model-size NAME")
-    return ModelConfig(**overrides, **common)
-
-
-def _recompute_layout(args: argparse.Namespace, granularity: str | None) -> tuple[int | None, int]:
-    """(layers recomputed, layers per checkpoint) with upstream's meaning of the recompute flags.
-
-    Upstream's full recompute takes --deepspeed-activation-checkpointing's branch first (checkpoints of
-    --checkpoint-num-layers over all layers), else --recompute-method: uniform = checkpoints of
-    --recompute-num-layers over all layers, block = the first --recompute-num-layers layers one by one."""
-    if args.recompute_method is not None and granularity != "full":
-        raise ConfigError(f"--recompute-method {args.recompute_method} applies to full recompute only (as upstream): "
-                          "add --recompute-granularity full (or --checkpoint-activations), or drop it")
-    if granularity == "full" and args.deepspeed_activation_checkpointing:
-        return None, args.checkpoint_num_layers or 1
-    if args.recompute_method == "uniform":
-        return None, args.recompute_num_layers or 1
-    if args.recompute_method == "block":
-        return args.recompute_num_layers or 1, 1
-    return args.recompute_num_layers, 1
-
-
-def recompute_notes(args: argparse.Namespace, granularity: str | None) -> list[str]:
-    """Recompute flags that are provable no-ops for this command line (as upstream), said once in the log."""
-    notes, full = [], granularity == "full"
-    if args.deepspeed_activation_checkpointing and not full:
-        notes.append("--deepspeed-activation-checkpointing: nothing is recomputed without --checkpoint-activations "
-                     "or --recompute-granularity full (as upstream)")
-    if args.checkpoint_num_layers is not None and not (full and args.deepspeed_activation_checkpointing):
-        notes.append("--checkpoint-num-layers has no effect without --deepspeed-activation-checkpointing and full "
-                     "recompute (as upstream; --recompute-method uniform --recompute-num-layers N is the same)")
-    for flag, given in (("--partition-activations", args.partition_activations),
-                        ("--checkpoint-in-cpu", args.checkpoint_in_cpu),
-                        ("--synchronize-each-layer", args.synchronize_each_layer),
-                        ("--profile-backward", args.profile_backward)):
-        if given and not full:
-            notes.append(f"{flag} has no effect: nothing is recomputed without full recompute")
-    return ["> " + n for n in notes]
-
-
-def attention_backend(args: argparse.Namespace) -> str:
-    if args.use_flash_attn_v2 and args.use_flash_attn_triton:
-        raise ConfigError("--use-flash-attn-v2 and --use-flash-attn-triton are both set: pick one")
-    return "hip" if args.use_flash_attn_v2 else "triton" if args.use_flash_attn_triton else "auto"
-
-
-def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
-    """Validate everything together; raises ConfigError naming the flags and the fix."""
-    if args.lr is None:
-        raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
-    if args.train_iters is None and getattr(args, "train_samples", None) is None:
-        raise ConfigError("--train-iters not given: set how many iterations (or --train-samples) to train")
-    if args.train_iters is not None and getattr(args, "train_samples", None) is not None:
-        raise ConfigError("--train-iters and --train-samples are both given: pick one")
-    run = RunConfig(
-        model=model_config_from_args(args, vocab_size),
-        parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0,
-                                zero_hierarchy=args.zero_hierarchy, zero_hierarchy_weights=args.zero_hierarchy_weights,
-                                zero_hierarchy_int8=args.zero_hierarchy_int8,
-                                ds_sequence_parallel_size=args.ds_sequence_parallel_size),
-        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                                  lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
-                                  lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
-                                  clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
-                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                  adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam,
-                                  **_schedule_fields(args)),
-        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
-                                  initial_loss_scale=args.initial_loss_scale,
-                                  loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-                                  min_loss_scale=args.min_loss_scale),
-        training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                                train_iters=args.train_iters, eval_interval=args.eval_interval,
-                                eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
-                                tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
-                                train_samples=getattr(args, "train_samples", None),
-                                train_tokens=getattr(args, "train_tokens", None),
-                                rampup_batch_size=_rampup(args)),
-    )
-    run.notes = recompute_notes(args, run.model.recompute_granularity)
-    if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
-        run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
-                         "(--position-embedding-type rope), as upstream")
-    return run.validate()
-
-
-def _schedule_fields(args: argparse.Namespace) -> dict:
-    """The sample/token schedule flags (absent from parsers that predate them: their defaults)."""
-    names = ("lr_warmup_samples", "lr_decay_samples", "lr_warmup_tokens", "lr_decay_tokens",
-             "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "start_weight_decay",
-             "end_weight_decay", "weight_decay_incr_style")
-    return {n: getattr(args, n) for n in names if hasattr(args, n)}
-
-
-def _rampup(args: argparse.Namespace) -> tuple[int, int, int] | None:
-    ramp = getattr(args, "rampup_batch_size", None)
-    return tuple(ramp) if ramp is not None else None

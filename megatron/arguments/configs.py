@@ -1,0 +1,236 @@
+"""The parsed flags -> the validated config dataclasses (megatron/config). Only the parser side and entry points
+call this; every module after it takes the configs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Protocol
+
+from megatron.arguments.parser import parse_args
+from megatron.config import (
+    CheckpointSettings,
+    DataConfig,
+    DeepSpeedSettings,
+    LogOptions,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ProfileConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrainingConfig,
+    named_model,
+)
+from megatron.errors import ConfigError
+from megatron.tokenizer import DEFAULT_TOKENIZER_TYPE
+
+
+class Tokenizer(Protocol):
+    """What the run needs of a tokenizer: the vocabulary (before padding) and the end-of-document token (None: the
+    data has no documents, e.g. --mock-data)."""
+
+    vocab_size: int
+    eod: int | None
+
+
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    overrides = {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+        "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
+        "seq_length": args.seq_length, "max_position_embeddings": args.max_position_embeddings,
+        "normalization": args.normalization, "swiglu": args.swiglu, "openai_gelu": args.openai_gelu,
+        "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
+    }
+    if args.position_embedding_type or args.use_rotary_position_embeddings:
+        overrides["position_embedding_type"] = args.position_embedding_type or "rope"
+    if args.disable_bias_linear:
+        overrides["add_bias_linear"] = False
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else
+                                                 "selective" if args.recompute_activations else None)
+    recompute_layers, chunk = _recompute_layout(args, granularity)
+    common = dict(
+        vocab_size=vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        layernorm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        use_cpu_initialization=args.use_cpu_initialization, attention_backend=attention_backend(args),
+        recompute_granularity=granularity, recompute_num_layers=recompute_layers, checkpoint_chunk_layers=chunk,
+        recompute_partition=args.partition_activations, recompute_on_cpu=args.checkpoint_in_cpu,
+        recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        torch_compile=args.torch_compile,
+    )
+    if args.model_size:
+        return named_model(args.model_size, **overrides, **common)
+    missing = [f"--{f.replace('_', '-')}" for f in _SHAPE_FLAGS if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} not given: pass the model shape or --model-size NAME")
+    return ModelConfig(**overrides, **common)
+
+
+def _recompute_layout(args: argparse.Namespace, granularity: str | None) -> tuple[int | None, int]:
+    """(layers recomputed, layers per checkpoint) with upstream's meaning of the recompute flags.
+
+    Upstream's full recompute takes --deepspeed-activation-checkpointing's branch first (checkpoints of
+    --checkpoint-num-layers over all layers), else --recompute-method: uniform = checkpoints of
+    --recompute-num-layers over all layers, block = the first --recompute-num-layers layers one by one."""
+    if args.recompute_method is not None and granularity != "full":
+        raise ConfigError(f"--recompute-method {args.recompute_method} applies to full recompute only (as upstream): "
+                          "add --recompute-granularity full (or --checkpoint-activations), or drop it")
+    if granularity == "full" and args.deepspeed_activation_checkpointing:
+        return None, args.checkpoint_num_layers or 1
+    if args.recompute_method == "uniform":
+        return None, args.recompute_num_layers or 1
+    if args.recompute_method == "block":
+        return args.recompute_num_layers or 1, 1
+    return args.recompute_num_layers, 1
+
+
+def recompute_notes(args: argparse.Namespace, granularity: str | None) -> list[str]:
+    """Recompute flags that are provable no-ops for this command line (as upstream), said once in the log."""
+    notes, full = [], granularity == "full"
+    if args.deepspeed_activation_checkpointing and not full:
+        notes.append("--deepspeed-activation-checkpointing: nothing is recomputed without --checkpoint-activations "
+                     "or --recompute-granularity full (as upstream)")
+    if args.checkpoint_num_layers is not None and not (full and args.deepspeed_activation_checkpointing):
+        notes.append("--checkpoint-num-layers has no effect without --deepspeed-activation-checkpointing and full "
+                     "recompute (as upstream; --recompute-method uniform --recompute-num-layers N is the same)")
+    for flag, given in (("--partition-activations", args.partition_activations),
+                        ("--checkpoint-in-cpu", args.checkpoint_in_cpu),
+                        ("--synchronize-each-layer", args.synchronize_each_layer),
+                        ("--profile-backward", args.profile_backward)):
+        if given and not full:
+            notes.append(f"{flag} has no effect: nothing is recomputed without full recompute")
+    return ["> " + n for n in notes]
+
+
+def attention_backend(args: argparse.Namespace) -> str:
+    if args.use_flash_attn_v2 and args.use_flash_attn_triton:
+        raise ConfigError("--use-flash-attn-v2 and --use-flash-attn-triton are both set: pick one")
+    return "hip" if args.use_flash_attn_v2 else "triton" if args.use_flash_attn_triton else "auto"
+
+
+def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
+    """Validate everything together; raises ConfigError naming the flags and the fix."""
+    if args.lr is None:
+        raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
+    if args.train_iters is None and args.train_samples is None:
+        raise ConfigError("--train-iters not given: set how many iterations (or --train-samples) to train")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are both given: pick one")
+    data = data_config_from_args(args)
+    run = RunConfig(
+        model=model_config_from_args(args, vocab_size),
+        parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0,
+                                zero_hierarchy=args.zero_hierarchy, zero_hierarchy_weights=args.zero_hierarchy_weights,
+                                zero_hierarchy_int8=args.zero_hierarchy_int8,
+                                ds_sequence_parallel_size=args.ds_sequence_parallel_size,
+                                no_pipeline_parallel=args.no_pipeline_parallel),
+        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+                                  lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
+                                  lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+                                  clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
+                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                                  adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam,
+                                  lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
+                                  lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens,
+                                  override_opt_param_scheduler=args.override_opt_param_scheduler,
+                                  use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+                                  start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay,
+                                  weight_decay_incr_style=args.weight_decay_incr_style),
+        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+                                  initial_loss_scale=args.initial_loss_scale,
+                                  loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                                  min_loss_scale=args.min_loss_scale),
+        training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                                train_iters=args.train_iters, eval_interval=args.eval_interval,
+                                eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
+                                peak_tflops=args.peak_tflops, train_samples=args.train_samples,
+                                train_tokens=args.train_tokens,
+                                rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None),
+        data=data,
+        checkpoint=CheckpointSettings(
+            save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
+            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            exit_on_missing=args.exit_on_missing_checkpoint, keep_last=args.keep_last_n_checkpoints,
+            trust_checkpoint=args.trust_checkpoint, verify=args.verify_checkpoint,
+            universal_checkpoint=args.universal_checkpoint),
+        logging=log_options_from_args(args),
+        profile=ProfileConfig(mode=args.profile, steps=args.profile_steps,
+                              ranks=tuple(args.profile_ranks) if args.profile_ranks is not None else None,
+                              tensorboard_dir=args.tensorboard_dir),
+        runtime=RuntimeConfig(
+            distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
+            master_addr=args.master_addr, master_port=args.master_port,
+            rendezvous_timeout_secs=args.rendezvous_timeout_secs, allow_tp_across_nodes=args.allow_tp_across_nodes,
+            exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+            kill_switch_file=args.kill_switch_file, max_nonfinite_loss_iters=args.max_nonfinite_loss_iters,
+            watchdog_timeout_secs=args.watchdog_timeout_secs),
+        deepspeed=DeepSpeedSettings(config=args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
+                                    clip_grad_given=args.clip_grad is not None),
+        flags=dict(vars(args), tokenizer_type=data.tokenizer_type),
+    )
+    run.notes = recompute_notes(args, run.model.recompute_granularity)
+    if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
+        run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
+                         "(--position-embedding-type rope), as upstream")
+    return run.validate()
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    """The data settings. With --data-path and no --tokenizer-type, upstream's default tokenizer (GPT-2 BPE), whose
+    files must then be given (recorded as the tokenizer type, so checkpoints name it too)."""
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type is None and args.data_path:
+        missing = [flag for flag, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if not v]
+        if missing:
+            raise ConfigError(f"--data-path without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
+                              f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
+                              "or pass --tokenizer-type with its files")
+        tokenizer_type = DEFAULT_TOKENIZER_TYPE
+    return DataConfig(
+        data_path=args.data_path, mock_data=args.mock_data, demo_corpus=args.demo_corpus, vocab_size=args.vocab_size,
+        split=args.split, data_cache_path=args.data_cache_path, tokenizer_type=tokenizer_type,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+        dataloader_type=args.dataloader_type, data_sharding=args.data_sharding, num_workers=args.num_workers,
+        eod_mask_loss=args.eod_mask_loss, per_epoch_doc_shuffle=args.per_epoch_doc_shuffle).validate()
+
+
+_TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
+            "log_optimizer_states_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
+
+
+def log_options_from_args(args: argparse.Namespace) -> LogOptions:
+    """The logging flags; the TensorBoard-only ones given without --tensorboard-dir are a no-op, said once."""
+    given = [f"--{n.replace('_', '-')}" for n in _TB_ONLY if getattr(args, n)]
+    notes = ()
+    if given and not args.tensorboard_dir:
+        notes = (f"{', '.join(given)} without --tensorboard-dir: nothing is written, as upstream",)
+    return LogOptions(
+        tensorboard_dir=args.tensorboard_dir, tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_queue_size=args.tensorboard_queue_size, timers_to_tb=args.log_timers_to_tensorboard,
+        batch_size_to_tb=args.log_batch_size_to_tensorboard, lr_to_tb=args.log_learning_rate_to_tensorboard,
+        loss_scale_to_tb=args.log_loss_scale_to_tensorboard,
+        validation_ppl_to_tb=args.log_validation_ppl_to_tensorboard,
+        optimizer_states_to_tb=args.log_optimizer_states_to_tensorboard, memory_to_tb=args.log_memory_to_tensorboard,
+        world_size_to_tb=args.log_world_size_to_tensorboard, params_norm=args.log_params_norm,
+        timing_level=args.timing_log_level, timing_option=args.timing_log_option,
+        barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, notes=notes).validate()
+
+
+def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[DataConfig], Tokenizer]
+              ) -> tuple[RunConfig, Tokenizer]:
+    """The one way in: flags -> the validated RunConfig, and the tokenizer, built once from the data settings (its
+    vocabulary sizes the model). Every error is a one-line ConfigError, before any process group."""
+    args = parse_args(argv)
+    tokenizer = tokenizer_provider(data_config_from_args(args))
+    return run_config_from_args(args, world_size, tokenizer.vocab_size), tokenizer

@@ -1,0 +1,36 @@
+"""Where checkpoints go and come from, and what a resume restores (megatron/checkpointing acts on these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.errors import ConfigError
+from megatron.flag_bounds import check_fields
+
+
+@dataclass
+class CheckpointSettings:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    exit_on_missing: bool = False
+    """--exit-on-missing-checkpoint: a --load without a checkpoint is an error, not a fresh start."""
+    keep_last: int | None = None
+    """Keep this many newest checkpoints (None: keep all). The one ``latest`` names is never deleted."""
+    trust_checkpoint: bool = False
+    """--trust-checkpoint: unpickle an upstream Megatron(-DeepSpeed) checkpoint's Python objects (upstream/)."""
+    verify: str = "full"
+    """--verify-checkpoint: check the files of --load against their manifest (full: sizes and checksums)."""
+    universal_checkpoint: bool = False
+    """--universal-checkpoint: --load is DeepSpeed's universal form of an upstream checkpoint ('latest_universal')."""
+
+    def validate(self) -> CheckpointSettings:
+        check_fields(self, {"save_interval": "--save-interval",
+                            "keep_last": "--keep-last-n-checkpoints=keep_last_n_checkpoints"})
+        if self.verify not in ("full", "size", "off"):
+            raise ConfigError(f"--verify-checkpoint {self.verify!r}: choose full, size or off")
+        return self

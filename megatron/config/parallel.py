@@ -1,0 +1,69 @@
+"""How the ranks are laid out: tensor, pipeline, Ulysses sequence and data parallelism, and the ZeRO stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.errors import ConfigError
+from megatron.flag_bounds import check_fields
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out. Megatron's order: TP innermost, then DP, then PP outermost."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    zero_hierarchy: str | None = None
+    """Hierarchical ZeRO-3 tiers, e.g. 'package,node,network' (megatron/core/hierarchical_zero); None = off."""
+    zero_hierarchy_weights: str | None = None
+    """Tier whose ranks share one copy of the 16-bit weights: 'node' or 'package' (default: node if listed)."""
+    zero_hierarchy_int8: bool = False
+    """Block-wise int8 on the network stage of hierarchical ZeRO (weights all-gather and gradient reduce)."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses sequence parallelism: SP ranks inside the data-parallel dimension each hold 1/SP of
+    the sequence; attention switches to head-sharded with two all-to-alls (megatron/core/ulysses.py)."""
+    no_pipeline_parallel: bool = False
+    """--no-pipeline-parallel: the plain GPTModel, not DeepSpeed's pipeline engine (PP must be 1)."""
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def sp(self) -> int:
+        return self.ds_sequence_parallel_size
+
+    @property
+    def dp(self) -> int:
+        """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
+        return self.world_size // (self.tp * self.pp * self.sp)
+
+    def validate(self) -> None:
+        check_fields(self, {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+                            "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                            "ds_sequence_parallel_size": "--ds-sequence-parallel-size", "zero_stage": "--zero-stage"})
+        if self.pp > 1 and self.no_pipeline_parallel:
+            raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {self.pp}: the plain "
+                              "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
+        if self.sp > 1 and self.world_size % (self.tp * self.pp * self.sp):
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by TP {self.tp} x PP {self.pp} x "
+                f"--ds-sequence-parallel-size {self.sp} = {self.tp * self.pp * self.sp}: launch a multiple of "
+                f"{self.tp * self.pp * self.sp} ranks or shrink the sizes")
+        if self.world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
+                f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
+                f"{self.tp * self.pp} ranks or shrink TP/PP"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            # Megatron silently turns it off; we do the same but keep the flag honest.
+            self.sequence_parallel = False
