@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from megatron.config import DataConfig
-from megatron.errors import run_cli
+from megatron.errors import ConfigError, run_cli
 
 
 def model_provider(run, pstate):
@@ -45,6 +45,8 @@ def tokenizer_provider(data: DataConfig):
 
         return Vocabulary(BYTE_VOCAB, BYTE_EOD)
     if source == "--mock-data":
+        if data.vocab_size is None:
+            raise ConfigError("--mock-data needs --vocab-size (the null tokenizer's vocabulary)")
         return Vocabulary(data.vocab_size, None)  # uniform random tokens: no documents
     from megatron.tokenizer import build_tokenizer
 

@@ -52,8 +52,6 @@ class DataConfig:
         sources = self.sources()
         if len(sources) > 1:
             raise ConfigError(f"{' and '.join(sources)} are all set: pick one data source")
-        if self.mock_data and self.vocab_size is None:
-            raise ConfigError("--mock-data needs --vocab-size (the null tokenizer's vocabulary)")
         if self.eod_mask_loss and self.mock_data:
             raise ConfigError("--eod-mask-loss needs data made of documents with an end-of-document token: use "
                               "--data-path with its tokenizer (or --demo-corpus); --mock-data has none")
