@@ -40,7 +40,6 @@ from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import OutputLayer, checkpoint_options, recompute_layer_count
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
-from megatron.perf.memory import layer_parameters
 
 PARTITION_METHODS = ("type:TransformerLayer", "parameters", "uniform")
 
@@ -116,11 +115,10 @@ def spec_kinds(cfg: ModelConfig) -> list[str]:
 
 def spec_parameters(cfg: ModelConfig, tp: int) -> list[int]:
     """Parameters per spec on one TP rank (analytic: no layer is built just to be counted)."""
-    h, v = cfg.hidden_size, cfg.padded_vocab_size(tp)
-    emb = v * h // tp + (cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0)
-    norm = 2 * h if cfg.normalization == "layernorm" else h
+    words = cfg.word_embedding_parameters(tp)
     # A tied output layer owns no weight but does the same matmul; weigh it like the untied one.
-    return [emb] + [layer_parameters(cfg, tp)] * cfg.num_layers + [norm, v * h // tp]
+    return [words + cfg.position_parameters()] + [cfg.layer_parameters(tp)] * cfg.num_layers + \
+        [cfg.norm_parameters(), words]
 
 
 def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", tp: int = 1) -> list[int]:

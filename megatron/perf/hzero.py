@@ -25,13 +25,6 @@ INT8_BLOCK = 256
 """Default ``zero_hierarchy_block`` (elements per fp32 scale)."""
 
 
-def embedding_parameters(model: ModelConfig, tp: int) -> int:
-    """Parameters of the first bucket (word + learned position embeddings) on one TP rank."""
-    h = model.hidden_size
-    pos = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
-    return model.padded_vocab_size(tp) * h // tp + pos
-
-
 def hierarchical_zero_collectives(add: Callable[..., None], model: ModelConfig, params: float, dtype_bytes: int,
                                   m: int, dp: int, tp: int, rank_of: Callable[[int], int], int8: bool) -> None:
     """Call ``add(group, op, phase, calls, payload_bytes, ranks)`` for every DP collective of one step (PP=1)."""
@@ -44,7 +37,7 @@ def hierarchical_zero_collectives(add: Callable[..., None], model: ModelConfig, 
     p = float(params)
     add("dp", "all_gather", "weights fwd (node)", m, p / kp * a, node)
     add("dp", "all_gather", "weights fwd (package)", m, p * a, package)
-    released = max(0.0, p - embedding_parameters(model, tp))
+    released = max(0.0, p - model.word_embedding_parameters(tp) - model.position_parameters())
     add("dp", "all_gather", "weights bwd (node)", m, released / kp * a, node)
     add("dp", "all_gather", "weights bwd (package)", m, released * a, package)
     add("dp", "reduce_scatter", "grads (package)", m, p * a, package)

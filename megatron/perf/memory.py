@@ -76,32 +76,17 @@ class MemoryEstimate:
         return self.total <= capacity
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer held by one TP rank (row-parallel biases and norms are replicated)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    kv = model.num_key_value_heads * model.head_dim
-    bias = 1 if model.add_bias_linear else 0
-    norm = 2 * h if model.normalization == "layernorm" else h
-    fc1_out = 2 * f if model.swiglu else f
-    sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * fc1_out + bias * fc1_out + f * h
-    replicated = 2 * bias * h + 2 * norm
-    return sharded // tp + replicated
-
-
 def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> int:
     """Parameters on one GCD of pipeline ``stage`` before any ZeRO sharding."""
-    h = model.hidden_size
-    v = model.padded_vocab_size(layout.tp)
-    params = layout.stage_layers(model.num_layers)[stage] * layer_parameters(model, layout.tp)
+    words = model.word_embedding_parameters(layout.tp)
+    params = layout.stage_layers(model.num_layers)[stage] * model.layer_parameters(layout.tp)
     if stage == 0:
-        params += v * h // layout.tp
-        if model.position_embedding_type == "learned_absolute":
-            params += model.max_position_embeddings * h  # replicated over TP, as in Megatron
+        params += words + model.position_parameters()  # positions are replicated over TP, as in Megatron
     if stage == layout.pp - 1:
-        params += 2 * h if model.normalization == "layernorm" else h
+        params += model.norm_parameters()
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
             # Untied output layer, or Megatron's copy of the tied word embeddings on the last stage.
-            params += v * h // layout.tp
+            params += words
     return params
 
 
@@ -162,7 +147,7 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     terms["optimizer_states"] = params * state_bytes / (dp if z >= 1 else 1)
     if z == 3:
         kept = zero3_kept_parameters(params, ZERO3_MAX_REUSE_DISTANCE)
-        terms["zero3_gathered"] = min(params, kept + 2 * layer_parameters(model, t)) * a
+        terms["zero3_gathered"] = min(params, kept + 2 * model.layer_parameters(t)) * a
         if layout.zero_hierarchy:
             terms["zero3_gathered"] += params * a / layout.zero_hierarchy
 

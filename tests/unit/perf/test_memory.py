@@ -13,7 +13,6 @@ from megatron.perf.memory import (
     activation_bytes_per_layer,
     estimate_memory,
     estimate_stage_memory,
-    layer_parameters,
     stage_parameters,
 )
 
@@ -31,7 +30,7 @@ def layout(**kw) -> Layout:
 
 def test_parameter_counts_by_hand():
     m = ModelConfig(**SMALL)
-    assert layer_parameters(m) == LAYER == 49984
+    assert m.layer_parameters() == LAYER == 49984
     assert stage_parameters(m, layout(), 0) == TOTAL == m.num_parameters()
     # PP=4: the last stage holds a copy of the tied word embeddings (Megatron), the first the real one.
     lay = layout(pp=4, dp=1)
@@ -39,7 +38,7 @@ def test_parameter_counts_by_hand():
     assert per_stage[1] == per_stage[2] == LAYER
     assert sum(per_stage) == TOTAL + 256 * 64
     # TP=2 shards the matrices and column-parallel biases; row-parallel biases and norms stay whole.
-    assert layer_parameters(m, 2) == (12480 + 4096 + 16640 + 16384) // 2 + 2 * 64 + 256
+    assert m.layer_parameters(2) == (12480 + 4096 + 16640 + 16384) // 2 + 2 * 64 + 256
 
 
 @pytest.mark.parametrize("zero, w, g, o", [(0, 2, 2, 12), (1, 2, 2, 3), (2, 2, 0.5, 3), (3, 0.5, 0.5, 3)])
@@ -58,7 +57,7 @@ def test_zero3_keeps_half_the_reuse_distance_gathered_on_big_stages():
     m = named_model("gpt-175b")
     lay = layout(tp=8, dp=128, global_batch_size=1024, zero_stage=3)
     t = estimate_memory(m, lay, overhead_bytes=0).terms
-    assert t["zero3_gathered"] == pytest.approx((0.5e9 + 2 * layer_parameters(m, 8)) * 2)
+    assert t["zero3_gathered"] == pytest.approx((0.5e9 + 2 * m.layer_parameters(8)) * 2)
 
 
 def test_fp32_states_and_overhead():
