@@ -43,7 +43,7 @@ def _state(n_bytes: int, seed: int) -> dict:
 def _save(states: list, d: str, verified: bool) -> float:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from megatron.checkpointing import integrity, safe_io
+    from megatron.checkpointing import atomic, integrity, safe_io
 
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -54,7 +54,7 @@ def _save(states: list, d: str, verified: bool) -> float:
         path = os.path.join(d, f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt")
         engine.save(st, path)
         if not verified:
-            safe_io.fsync_file(path)
+            atomic.fsync_file(path)
     if verified:
         assert engine.failure is None, engine.failure
         integrity.write_manifest(d, integrity.recorded(d))

@@ -22,7 +22,7 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def checkpoint_dir(path: str, tag: str | None) -> str:
-    from megatron.checkpointing.checkpoint import META, read_latest
+    from megatron.checkpointing.locate import META, read_latest
     from megatron.checkpointing.full_state import FULL_STATE_META
     from megatron.checkpointing.integrity import MANIFEST
     from megatron.errors import CheckpointError
@@ -42,7 +42,7 @@ def checkpoint_dir(path: str, tag: str | None) -> str:
 
 def main(argv=None) -> int:
     from megatron.checkpointing import integrity
-    from megatron.checkpointing.checkpoint import META, read_meta
+    from megatron.checkpointing.locate import META, read_meta
     from megatron.checkpointing.verify import offline_problems
     from megatron.errors import CheckpointError
 

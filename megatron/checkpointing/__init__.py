@@ -3,14 +3,9 @@
 See README.md#checkpoints-resume-conversion-and-faults for the on-disk layout, the flags and what is unpickled where.
 """
 
-from megatron.checkpointing.checkpoint import (
-    Resume,
-    load_checkpoint,
-    load_full_state,
-    read_latest,
-    read_meta,
-    save_checkpoint,
-)
+from megatron.checkpointing.checkpoint import load_checkpoint, load_full_state, save_checkpoint
+from megatron.checkpointing.locate import classify_load, read_latest, read_meta
+from megatron.checkpointing.state import Resume
 
-__all__ = ["Resume", "load_checkpoint", "load_full_state", "read_latest", "read_meta",
+__all__ = ["Resume", "classify_load", "load_checkpoint", "load_full_state", "read_latest", "read_meta",
            "save_checkpoint"]

@@ -19,58 +19,36 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
-from megatron.checkpointing import integrity, safe_io, space, verify
+from megatron.checkpointing import atomic, integrity, safe_io, space, verify
+from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing.full_state import (
-    is_full_state,
     load_into_model,
     partition_table,
     read_full_moments,
     read_full_state,
 )
+from megatron.checkpointing.locate import LATEST, META, TRACKER, classify_load, read_latest, read_meta
+from megatron.checkpointing.moments import load_moments
 from megatron.checkpointing.state import (
+    Resume,
     check_model_shape,
     check_resume,
     plain_args,
     plain_run,
     rng_for_rank,
     rng_state,
-    set_rng_state,
 )
+from megatron.checkpointing.upstream import load_upstream
 from megatron.config import CheckpointSettings, RunConfig
-from megatron.core import comm
-from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
+from megatron.core import comm, hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import CheckpointError, ConfigError
 
-META = "megatron_meta.json"
-LATEST = "latest"
-TRACKER = "latest_checkpointed_iteration.txt"
 _TAG = re.compile(r"^global_step(\d+)$")
-
-
-@dataclass
-class Resume:
-    iteration: int = 0
-    consumed_samples: int = 0
-    path: str | None = None
-    lr_num_steps: int = 0
-    lr_state: dict | None = None
-    """The LR schedule's state_dict (samples and tokens); None in checkpoints older than it (lr_num_steps then)."""
-    rng: dict | None = None
-    """Saved RNG states of this rank; applied by ``restore_rng`` right before the first iteration, because
-    set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
-
-    moments: tuple | None = None
-    """(Adam moments by name, step) read along with the weights (an upstream checkpoint), for load_checkpoint."""
-
-    def restore_rng(self) -> None:
-        if self.rng is not None:
-            set_rng_state(self.rng)
 
 
 def _rank0() -> bool:
@@ -133,16 +111,16 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfi
             integrity.write_bytes(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
             files.update(integrity.recorded(tmp))
             integrity.write_manifest(tmp, files)  # before the rename and `latest`: a committed checkpoint has one
-            safe_io.fsync_dir(tmp)
+            atomic.fsync_dir(tmp)
             if os.path.exists(final):  # the same iteration saved before (e.g. a resumed run): replace it
                 old = f"{final}.old-{tmp_tag.rsplit('-', 1)[1]}"
                 os.replace(final, old)
                 shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, final)
-            safe_io.fsync_dir(save_dir)
-            safe_io.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
+            atomic.fsync_dir(save_dir)
+            atomic.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
             # Megatron's marker too (its iteration, as upstream writes it), which upstream's resume loops read
-            safe_io.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
+            atomic.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
         except OSError as e:
             failure = (e.filename or tmp, e)
             if os.path.isdir(final) and not os.path.exists(tmp) and _latest_or_none(save_dir) != tag:
@@ -198,8 +176,6 @@ def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: Par
 
 
 def _ranks_per_node(engine) -> int:
-    from megatron.core import hierarchical_zero
-
     return hierarchical_zero.ranks_per_node(engine.cfg)
 
 
@@ -215,37 +191,6 @@ def _retain(save_dir: str, keep_last: int | None, keep: str, current_tmp: str) -
     for _, name in steps[:-keep_last]:
         if name != keep:
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-
-
-def read_latest(load_dir: str) -> str | None:
-    """The tag in ``load_dir/latest``; None when the directory holds no checkpoint yet."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            tag = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint marker {path} is unreadable ({e}); write the tag to load into it") from None
-    if not tag or "/" in tag or "\n" in tag:
-        raise CheckpointError(f"checkpoint marker {path} is empty or malformed ({tag[:40]!r}); write the tag of a "
-                              "complete checkpoint (e.g. global_step100) into it")
-    return tag
-
-
-def read_meta(ckpt_dir: str) -> dict:
-    path = os.path.join(ckpt_dir, META)
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} is missing (named by 'latest'); point 'latest' at "
-                              "an existing checkpoint")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: not a complete Megatron-Frontier checkpoint; "
-                              f"point {os.path.join(os.path.dirname(ckpt_dir), LATEST)} at a complete one")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt ({e})") from None
 
 
 def validate_files(ckpt_dir: str) -> None:
@@ -271,13 +216,13 @@ def validate_files(ckpt_dir: str) -> None:
 
 
 def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: CheckpointSettings) -> Resume | None:
-    """Before deepspeed.initialize: when ``--load`` names a full-state directory (any layout; see
-    full_state.py), copy this rank's shards into ``model``. Returns None for a DeepSpeed checkpoint."""
-    if settings.load and os.path.isdir(settings.load) and not is_full_state(settings.load):
-        from megatron.checkpointing.upstream_resume import load_upstream
-
-        return load_upstream(model, run, pstate, settings)  # None unless an upstream Megatron(-DeepSpeed) layout
-    if not settings.load or not is_full_state(settings.load):
+    """Before deepspeed.initialize: when ``--load`` names a full-state directory (any layout; see full_state.py) or
+    an upstream checkpoint (upstream/), copy this rank's shards into ``model``. Returns None for our DeepSpeed
+    checkpoints (and without one)."""
+    target = classify_load(settings)
+    if target.kind == "upstream":
+        return load_upstream(target.found, model, run, pstate, settings)
+    if target.kind != "full_state":
         return None
     verify.verify_collective(settings.load, settings.verify, _say)  # before a byte of it reaches the model
     full, meta = read_full_state(settings.load)
@@ -301,22 +246,18 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         optim = "optimizer starts fresh; RNG restored" if full.rng else "optimizer and RNG start fresh"
         got = None if settings.finetune or settings.no_load_optim else full.moments or read_full_moments(full.path)
         if got is not None:  # a resharded checkpoint's Adam moments (tools/reshard_checkpoint.py)
-            from megatron.checkpointing.moments import load_moments
-
             optim = load_moments(engine, got[0], got[1], pstate.tp.size, pstate.tp.rank, run.model.num_layers,
                                  full.path) + ("; RNG restored" if full.rng else "; RNG starts fresh")
         _say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
              f"{full.consumed_samples} ({optim})")
         return full
-    if not settings.load:
+    target = classify_load(settings)
+    if target.kind == "none":
         return Resume()
-    if not os.path.isdir(settings.load):
-        raise CheckpointError(f"--load {settings.load}: directory not found; create it or drop --load")
-    tag = read_latest(settings.load)
-    if tag is None:  # preflight has warned (or refused, with --exit-on-missing-checkpoint)
+    if target.kind == "empty":  # preflight has warned (or refused, with --exit-on-missing-checkpoint)
         _say(f"> no checkpoint in {settings.load} (no '{LATEST}' file): starting from scratch")
         return Resume()
-    ckpt_dir = os.path.join(settings.load, tag)
+    ckpt_dir, tag = target.path, target.tag
     meta = read_meta(ckpt_dir)
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
     check_resume(meta, run, load_optim, ckpt_dir)
@@ -361,15 +302,6 @@ def apply_schedule_lr(engine) -> None:
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "apply_schedule"):
         scheduler.apply_schedule()
-
-
-def missing_checkpoint_message(load: str, exit_on_missing: bool) -> str:
-    where = os.path.join(load, LATEST)
-    if exit_on_missing:
-        return (f"--load {load} holds no checkpoint ({where} not found) and --exit-on-missing-checkpoint is set: "
-                "point --load at a --save directory with a 'latest' file, or drop the flag to start from scratch")
-    return (f"--load {load} holds no checkpoint ({where} not found): training starts from scratch "
-            "(pass --exit-on-missing-checkpoint to make this an error)")
 
 
 def _say(msg: str) -> None:

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing.checkpoint import read_latest, read_meta
+from megatron.checkpointing.locate import read_latest, read_meta
 from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
 from megatron.checkpointing.verify import require_whole

@@ -64,7 +64,7 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
 
 def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
-    from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
+    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]

@@ -34,7 +34,7 @@ def tokenizer_special_ids(flags: dict) -> dict:
 def special_ids_of_checkpoint(path: str, tag: str | None, override: dict | None = None) -> dict:
     """The ids for an export of ``path`` (a --save directory, one tag directory or a full state).
     ``override``: tokenizer flags given to the exporter, which win over what the checkpoint recorded."""
-    from megatron.checkpointing.checkpoint import read_latest, read_meta
+    from megatron.checkpointing.locate import read_latest, read_meta
     from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
 
     if override and override.get("tokenizer_type"):

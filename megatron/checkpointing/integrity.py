@@ -24,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from megatron.checkpointing.atomic import atomic_write_bytes
+from megatron.errors import CheckpointError
+
 MANIFEST = "integrity.json"
 FORMAT = "megatron-frontier/integrity-v1"
 ALGORITHM = "xxh3_128"
@@ -114,8 +117,6 @@ def write_safetensors(tensors: dict, path: str, metadata: dict | None = None) ->
 def write_bytes(path: str, data: bytes, record: bool = True) -> None:
     """Write, fsync and (unless told not to) record a file through a temporary name: a reader sees the old or
     the new content, never half."""
-    from megatron.checkpointing.safe_io import atomic_write_bytes
-
     atomic_write_bytes(path, data)
     if record:
         _record(path, len(data), digest(data))
@@ -160,8 +161,6 @@ def write_manifest(ckpt_dir: str, files: dict[str, dict]) -> None:
 
 def read_manifest(ckpt_dir: str) -> dict[str, dict] | None:
     """``{name: {"size", "xxh3_128"}}``, or None for a checkpoint written without one (older, upstream's)."""
-    from megatron.errors import CheckpointError
-
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.exists(path):
         return None

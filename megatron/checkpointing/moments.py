@@ -30,7 +30,7 @@ Moments = dict[str, dict[str, torch.Tensor]]
 
 def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
     """(full moments by canonical name, Adam step, why not when None) of one checkpoint directory."""
-    from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
+    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     if not meta.get("has_optimizer", True):
         return None, 0, "the checkpoint was saved with --no-save-optim"
@@ -127,7 +127,7 @@ def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int
                  source: str) -> str:
     """Fill ``engine``'s optimizer with this rank's share of ``moments``; returns what was done, for the log."""
     from megatron.checkpointing.full_state import shard_like
-    from megatron.core.hierarchical_zero import checkpoint as hzero_ckpt
+    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     def shard(name: str, shape, param, full: torch.Tensor) -> torch.Tensor:
         return shard_like(name, full, param, shape, tp_size, tp_rank, source)

@@ -1,4 +1,4 @@
-"""Durable writes and safe reads for checkpoint files.
+"""Safe reads of checkpoint files, and DeepSpeed's checkpoint engine made to hash and fsync what it writes.
 
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: the restricted unpickler builds only
 tensors, containers and a short allowlist of DeepSpeed's own plain classes, so a checkpoint from an
@@ -48,44 +48,6 @@ def safe_load(path: str, map_location="cpu", mmap: bool = False):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({first}); "
                               "load an older checkpoint (edit the 'latest' file)") from None
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or a new directory entry durable (the directory itself must be synced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; rename is still atomic there
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name and fsync both: a reader sees either the old or the
-    new content, never half, even after a crash."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 class SafeCheckpointEngine(TorchCheckpointEngine):

@@ -1,10 +1,11 @@
-"""What a checkpoint records besides weights: RNG states, the run's arguments as plain data, and the
-checks that decide whether a checkpoint may be resumed under the current flags."""
+"""What a checkpoint records besides weights: RNG states, the run's arguments as plain data, the checks that decide
+whether a checkpoint may be resumed under the current flags, and ``Resume``: what a load hands to the loop."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
                           f"NEW_DIR (see {RESHARD_DOC})")
     # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
     # even without the optimizer.
-    from megatron.core.hierarchical_zero.checkpoint import check_saved_layout
+    from megatron.checkpointing.hierarchical_zero import check_saved_layout
 
     check_saved_layout(saved, run, where)
     if not load_optim:
@@ -122,3 +123,23 @@ def rng_for_rank(states: list, dp_rank: int, dp_size: int) -> dict | None:
     if not 0 <= dp_rank < len(states):
         raise CheckpointError(f"RNG state list has {len(states)} entries, no entry for DP rank {dp_rank}")
     return states[dp_rank]
+
+
+@dataclass
+class Resume:
+    iteration: int = 0
+    consumed_samples: int = 0
+    path: str | None = None
+    lr_num_steps: int = 0
+    lr_state: dict | None = None
+    """The LR schedule's state_dict (samples and tokens); None in checkpoints older than it (lr_num_steps then)."""
+    rng: dict | None = None
+    """Saved RNG states of this rank; applied by ``restore_rng`` right before the first iteration, because
+    set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
+
+    moments: tuple | None = None
+    """(Adam moments by name, step) read along with the weights (an upstream checkpoint), for load_checkpoint."""
+
+    def restore_rng(self) -> None:
+        if self.rng is not None:
+            set_rng_state(self.rng)

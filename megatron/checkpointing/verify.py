@@ -48,7 +48,7 @@ def expected_files(meta: dict, present: set[str]) -> list[str]:
     names: model files per model-parallel rank, ZeRO files per DP x MP rank, pipeline layer files per TP rank;
     hierarchical ZeRO: one file per rank). ``present`` (the directory's names) settles what the layout leaves
     open: the bf16_ prefix DeepSpeed's bf16 optimizer adds, and how many pipeline layer files there are."""
-    from megatron.core.hierarchical_zero.checkpoint import FORMAT as HZERO, shard_file
+    from megatron.checkpointing.hierarchical_zero import FORMAT as HZERO, shard_file
 
     p = (meta.get("run") or {}).get("parallel") or {}
     tp, pp = int(p.get("tensor_model_parallel_size", 1)), int(p.get("pipeline_model_parallel_size", 1))

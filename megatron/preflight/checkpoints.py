@@ -7,8 +7,15 @@ import json
 import os
 import socket
 
-from megatron.config import RunConfig
+from megatron.checkpointing.full_state import FULL_STATE_META
+from megatron.checkpointing.locate import classify_load, missing_checkpoint_message, read_meta
+from megatron.checkpointing.space import low_space_warning
+from megatron.checkpointing.state import check_model_shape, check_resume
+from megatron.checkpointing.upstream import check_upstream
+from megatron.checkpointing.verify import check_complete
+from megatron.config import CheckpointSettings, RunConfig
 from megatron.errors import CheckpointError, ConfigError, warn_once
+from megatron.optim.lr_schedule import check_resume_schedule
 
 
 def check_save(save: str | None) -> None:
@@ -34,62 +41,44 @@ def check_save(save: str | None) -> None:
                           "(on Frontier a project directory on Lustre, not $HOME)") from None
 
 
-def check_save_space(settings, run: RunConfig) -> None:
+def check_save_space(settings: CheckpointSettings, run: RunConfig) -> None:
     """One warning line when --save's file system cannot hold one checkpoint of this model and layout."""
-    from megatron.checkpointing.space import low_space_warning
-
     if settings.save:
         msg = low_space_warning(settings.save, run, not settings.no_save_optim)
         if msg:
             warn_once(msg)
 
 
-def check_load(settings, run: RunConfig) -> None:
+def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
     """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
     precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
-    from megatron.checkpointing.checkpoint import missing_checkpoint_message, read_latest, read_meta
-    from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
-    from megatron.checkpointing.state import check_model_shape, check_resume
-    from megatron.optim.lr_schedule import check_resume_schedule
-    from megatron.checkpointing.verify import check_complete
-
-    load = settings.load
-    if not load:
+    target = classify_load(settings)
+    if target.kind == "none":
         return
-    if not os.path.isdir(load):
-        raise CheckpointError(f"--load {load}: directory not found; fix the path, or drop --load to start from "
-                              "scratch")
-    if is_full_state(load):
-        path = os.path.join(load, FULL_STATE_META)
+    if target.kind == "empty":
+        warn_once(missing_checkpoint_message(settings.load, False))  # a mistyped --load must not pass unnoticed
+        return
+    if target.kind == "upstream":  # a Megatron-DeepSpeed global_stepN/ or Megatron iter_N/: checked there
+        check_upstream(target.found, settings, run)
+        return
+    if target.kind == "full_state":
+        path = os.path.join(target.path, FULL_STATE_META)
         try:
             with open(path) as f:
                 meta = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
-        check_model_shape(meta.get("model", {}), run, load)
+        check_model_shape(meta.get("model", {}), run, target.path)
         if not settings.finetune:
-            check_resume_schedule(meta.get("lr_scheduler"), run, load)
-        if getattr(settings, "verify", "full") != "off":
-            check_complete(load, None)
+            check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
+        if settings.verify != "off":
+            check_complete(target.path, None)
         return
-    from megatron.checkpointing.upstream_resume import check_upstream, unknown_layout_message
-
-    if check_upstream(settings, run):  # a Megatron-DeepSpeed global_stepN/ or Megatron iter_N/: checked there
-        return
-    tag = read_latest(load)
-    if tag is None:
-        if (msg := unknown_layout_message(load)) is not None:  # never a silent restart over a foreign checkpoint
-            raise CheckpointError(msg)
-        if settings.exit_on_missing:
-            raise CheckpointError(missing_checkpoint_message(load, True))
-        warn_once(missing_checkpoint_message(load, False))  # a mistyped --load must not pass unnoticed
-        return
-    ckpt_dir = os.path.join(load, tag)
-    meta = read_meta(ckpt_dir)
+    meta = read_meta(target.path)
     load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
-    check_resume(meta, run, load_optim, ckpt_dir)
+    check_resume(meta, run, load_optim, target.path)
     if not settings.finetune:
-        check_resume_schedule(meta.get("lr_scheduler"), run, ckpt_dir)
-    if getattr(settings, "verify", "full") != "off":  # every file the manifest (or layout) names, sized: stats only
-        check_complete(ckpt_dir, meta)
+        check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
+    if settings.verify != "off":  # every file the manifest (or layout) names, sized: stats only
+        check_complete(target.path, meta)

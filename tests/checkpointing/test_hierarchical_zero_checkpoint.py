@@ -40,7 +40,7 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
 
     from megatron.checkpointing.convert import read_any
     from megatron.checkpointing.full_state import load_into_model
-    from megatron.core.hierarchical_zero.checkpoint import check_saved_layout
+    from megatron.checkpointing.hierarchical_zero import check_saved_layout
     from megatron.core.parallel_state import single_process_state
     from megatron.errors import ConfigError
     from megatron.model.gpt_model import GPTModel

@@ -89,7 +89,7 @@ def test_loaded_weights_give_upstreams_loss_on_upstreams_batch(layout):
     micro-batches exactly as upstream logged: name mapping, QKV [Q|K|V] -> per-group order, TP/PP merge."""
     from megatron.checkpointing import upstream
     from megatron.checkpointing.full_state import load_into_model
-    from megatron.checkpointing.upstream_resume import vocab_rows
+    from megatron.checkpointing.upstream import vocab_rows
 
     conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
     assert conv.iteration == 3 and conv.consumed_samples == 12 and conv.lr_num_steps == 3
@@ -154,7 +154,7 @@ def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
 
 def test_layouts_recognised_and_unknown_ones_named(tmp_path):
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.upstream_resume import unknown_layout_message
+    from megatron.checkpointing.upstream import unknown_layout_message
 
     assert upstream.find(os.path.join(FIX, "tp2_zero1")).kind == "deepspeed"
     assert upstream.find(os.path.join(FIX, "megatron_tp2")).kind == "megatron"
@@ -192,31 +192,31 @@ def test_universal_checkpoint_reads_as_the_global_step_it_came_from(layout, univ
 
 
 def test_universal_tensors_split_back_into_the_writers_tp_shards():
-    """upstream_universal._shards inverts DeepSpeed's merge (ds_to_universal.merge_tp_slices) for each kind of
+    """upstream.universal.tp_shards inverts DeepSpeed's merge (ds_to_universal.merge_tp_slices) for each kind of
     tensor: TP-split along cat_dim, replicated (no cat_dim), a GLU weight's two halves merged apart
     (param_n_sub_params 2: what upstream's --swiglu checkpoints record), and vocabulary rows cut to the tokenizer
     (zero rows back up to the padded size)."""
-    from megatron.checkpointing.upstream_universal import _shards
+    from megatron.checkpointing.upstream.universal import tp_shards
 
     torch.manual_seed(0)
     slices = [torch.randn(6, 4), torch.randn(6, 4)]  # two TP ranks' [gate_i; up_i] of a GLU weight
     halves = [s.chunk(2) for s in slices]
     merged = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])  # DeepSpeed's
-    got = _shards({"param": merged, "cat_dim": 0, "param_n_sub_params": 2}, 2, 0, "glu")
+    got = tp_shards({"param": merged, "cat_dim": 0, "param_n_sub_params": 2}, 2, 0, "glu")
     assert all(torch.equal(a, b) for a, b in zip(got, slices, strict=True))
     row = [torch.randn(4, 3), torch.randn(4, 3)]
-    got = _shards({"param": torch.cat(row, dim=1), "cat_dim": 1}, 2, 0, "row")
+    got = tp_shards({"param": torch.cat(row, dim=1), "cat_dim": 1}, 2, 0, "row")
     assert all(torch.equal(a, b) for a, b in zip(got, row, strict=True))
     norm = torch.randn(4)
-    assert all(t is norm for t in _shards({"param": norm}, 2, 0, "norm"))
+    assert all(t is norm for t in tp_shards({"param": norm}, 2, 0, "norm"))
     emb = torch.randn(5, 2)  # 5 tokens, padded to 8 rows at TP 2: ranks hold 4 rows each
-    got = _shards({"param": emb, "cat_dim": 0, "vocab_tensor": True}, 2, 8, "emb")
+    got = tp_shards({"param": emb, "cat_dim": 0, "vocab_tensor": True}, 2, 8, "emb")
     assert torch.equal(torch.cat(got)[:5], emb) and not torch.cat(got)[5:].any() and got[0].shape == (4, 2)
 
 
 def test_universal_checkpoint_needs_its_flag_and_its_marker(tmp_path):
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.upstream_resume import unknown_layout_message
+    from megatron.checkpointing.upstream import unknown_layout_message
     from megatron.errors import CheckpointError
 
     uni = os.path.join(FIX, "universal_tp2")

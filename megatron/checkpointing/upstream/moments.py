@@ -1,4 +1,4 @@
-"""Adam moments of upstream Megatron-DeepSpeed checkpoints in our names, merged over DP, PP and TP (upstream.py
+"""Adam moments of upstream Megatron-DeepSpeed checkpoints in our names, merged over DP, PP and TP (reader.py
 reads the rest): ZeRO-1/2 from each DP rank's flat fp32 partition through DeepSpeed's ``param_slice_mappings``,
 ZeRO-0 without pipeline from torch Adam's state in the model files (indexed in upstream's param-group order)."""
 
@@ -11,7 +11,7 @@ import re
 import torch
 
 from megatron.checkpointing.safe_io import safe_load
-from megatron.checkpointing.upstream import flatten, merge_ranks, our_name, pipe_name
+from megatron.checkpointing.upstream.names import flatten, merge_ranks, our_name, pipe_name
 
 
 def zero0_moments(states: dict, tp: int, fields: dict, path: str):

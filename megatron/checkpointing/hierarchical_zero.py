@@ -23,6 +23,9 @@ import os
 
 import torch
 
+from megatron.checkpointing import safe_io
+from megatron.core.hierarchical_zero.config import parse_levels
+from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
 from megatron.errors import CheckpointError, ConfigError
 
 FORMAT = "megatron-frontier/hierarchical-zero-v1"
@@ -33,8 +36,6 @@ def shard_file(ckpt_dir: str, rank: int) -> str:
 
 
 def is_engine(engine) -> bool:
-    from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
-
     return isinstance(engine, HierarchicalZeroEngine)
 
 
@@ -84,8 +85,6 @@ def save_shard(engine, tmp_dir: str, rank: int, rng: dict, save_optimizer: bool)
 
 def checkpoint_engine(engine):
     """safe_io's engine (fsync on save, weights_only on load): the same code path as DeepSpeed's files."""
-    from megatron.checkpointing import safe_io
-
     if not isinstance(getattr(engine, "checkpoint_engine", None), safe_io.SafeCheckpointEngine):
         engine.checkpoint_engine = safe_io.SafeCheckpointEngine(None)
         engine.checkpoint_engine.zipfile_serialization = True  # the format validate_files' mmap check reads
@@ -152,8 +151,6 @@ def check_saved_layout(saved: dict, run, where: str) -> None:
         raise ConfigError(f"--load {where}: saved by the {was} engine, this run uses the {now} engine. "
                           f"{_RESHARD.format(where=where)}")
     h = saved["hierarchy"]
-    from megatron.core.hierarchical_zero.config import parse_levels
-
     levels = list(parse_levels(p.zero_hierarchy))
     diffs = []
     if h["dp_size"] != p.dp:
@@ -175,8 +172,6 @@ def merged_tp_states(ckpt_dir: str, meta: dict, with_moments: bool = True) -> tu
     """Without a process group: (per TP rank {name: weight}, per TP rank {name: {"exp_avg", "exp_avg_sq"}} (empty
     when the checkpoint has no optimizer or ``with_moments`` is false), Adam step). Names are the model's own
     (GPTModel), tensors still TP-sharded and vocab-padded, as DeepSpeed's model files hold them."""
-    from megatron.checkpointing.safe_io import safe_load
-
     h, table = meta["hierarchy"], meta["shards"]
     tp = meta["run"]["parallel"]["tensor_model_parallel_size"]
     dp = h["dp_size"]
@@ -185,7 +180,7 @@ def merged_tp_states(ckpt_dir: str, meta: dict, with_moments: bool = True) -> tu
     seen = [0] * tp
     for rank_text, entry in table.items():
         path = shard_file(ckpt_dir, int(rank_text))
-        state = safe_load(path)
+        state = safe_io.safe_load(path)
         t, idx = entry["tp_rank"], entry["shard_index"]
         sources = {"master": state["master"]}
         if have_moments:

@@ -8,7 +8,7 @@ replicated over TP; ``param_n_sub_params`` 2: the two halves of a GLU weight mer
 ``vocab_tensor``: vocabulary rows cut to the tokenizer's size).
 
 Here the tensors are split back into the writer's TP shards and go through the same mapping as a ``global_stepN/``
-(upstream.py: names, QKV order, TP merge in our layout), so any TP/PP/ZeRO layout can resume them. Vocabulary rows
+(names.py: names, QKV order, TP merge in our layout), so any TP/PP/ZeRO layout can resume them. Vocabulary rows
 beyond the tokenizer come back as zeros, as DeepSpeed's universal loader pads them.
 """
 
@@ -19,30 +19,32 @@ import re
 
 import torch
 
-from megatron.checkpointing import upstream
 from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.upstream.layout import MP_FILE, Converted, Found, is_ds_dir, read_marker
+from megatron.checkpointing.upstream.names import merge_ranks, model_fields, our_name, pipe_name, roles_from_keys
+from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
 
 TRACKER = "latest_universal"
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def find(load: str) -> upstream.Found:
+def find(load: str) -> Found:
     """The universal checkpoint that ``load``/latest_universal names (one line when there is none)."""
-    tag = upstream._read(os.path.join(load, TRACKER))
+    tag = read_marker(os.path.join(load, TRACKER))
     if tag is None:
         raise CheckpointError(f"--universal-checkpoint: {load} has no '{TRACKER}' (DeepSpeed's ds_to_universal.py "
                               "writes it beside its output folder): convert global_stepN/ with it first, or drop "
                               "--universal-checkpoint to load 'latest'")
     path = os.path.join(load, tag)
-    if "/" in tag or not os.path.isdir(os.path.join(path, "zero")) or not upstream._is_ds_dir(path):
+    if "/" in tag or not os.path.isdir(os.path.join(path, "zero")) or not is_ds_dir(path):
         raise CheckpointError(f"{os.path.join(load, TRACKER)} names {tag!r}, but {path} is not a universal checkpoint "
                               "(zero/ and mp_rank_XX_model_states.pt): re-run ds_to_universal.py into it")
     m = re.search(r"(\d+)(?:_universal)?$", tag)
-    return upstream.Found("universal", path, int(m.group(1)) if m else 0)
+    return Found("universal", path, int(m.group(1)) if m else 0)
 
 
-def _shards(d: dict, tp: int, padded_vocab: int, where: str) -> list[torch.Tensor]:
+def tp_shards(d: dict, tp: int, padded_vocab: int, where: str) -> list[torch.Tensor]:
     """The writer's TP shards of one universal tensor file ``d``."""
     t = d["param"]
     if d.get("sub_param_shape") is not None:
@@ -67,25 +69,25 @@ def _pipeline_roles(names: list[str]) -> dict[int, str]:
         m = re.match(r"^(\d+)\.(.+)$", n)
         if m:
             keys.setdefault(int(m.group(1)), set()).add(m.group(2))
-    return upstream.roles_from_keys(keys)
+    return roles_from_keys(keys)
 
 
-def read(found: upstream.Found, trust: bool, with_optimizer: bool) -> upstream.Converted:
+def read(found: Found, trust: bool, with_optimizer: bool) -> Converted:
     """The universal checkpoint ``found`` in our names, merged as a ``global_stepN/`` would be."""
     path, zero = found.path, os.path.join(found.path, "zero")
-    mp_files = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := upstream._MP_FILE.match(f)))
-    states = {r: upstream.load_file(os.path.join(path, f), trust) for r, f in mp_files}
+    mp_files = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := MP_FILE.match(f)))
+    states = {r: load_file(os.path.join(path, f), trust) for r, f in mp_files}
     first = states[mp_files[0][0]]
-    a = upstream._args_of(first, os.path.join(path, mp_files[0][1]))
+    a = args_of(first, os.path.join(path, mp_files[0][1]))
     tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
-    fields, padded_vocab = upstream.model_fields(a), int(a["padded_vocab_size"])
+    fields, padded_vocab = model_fields(a), int(a["padded_vocab_size"])
     names = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
     pipeline = any(n.startswith("tied_modules.") or n[:1].isdigit() for n in names)
     roles = _pipeline_roles(names) if pipeline else {}
     per_state = {s: [{} for _ in range(tp)] for s in _STATES}
     step, note = 0, "Adam moments loaded (universal checkpoint)"
     for n in names:
-        ours = upstream.pipe_name(n, roles) if pipeline else upstream.our_name(n)
+        ours = pipe_name(n, roles) if pipeline else our_name(n)
         if ours is None:
             continue
         for s in _STATES if with_optimizer else ("fp32",):
@@ -96,20 +98,20 @@ def read(found: upstream.Found, trust: bool, with_optimizer: bool) -> upstream.C
                                           "re-run ds_to_universal.py")
                 note = f"universal checkpoint has no {s}.pt for {n}: Adam restarts"
                 continue
-            for i, shard in enumerate(_shards(safe_load(f), tp, padded_vocab, f)):
+            for i, shard in enumerate(tp_shards(safe_load(f), tp, padded_vocab, f)):
                 per_state[s][i][ours] = shard
         if with_optimizer and os.path.isfile(os.path.join(zero, n, "step.pt")):
             step = int(torch.as_tensor(safe_load(os.path.join(zero, n, "step.pt"))).item())
-    weights = upstream.merge_ranks(per_state["fp32"], fields)
+    weights = merge_ranks(per_state["fp32"], fields)
     moments = None
     if with_optimizer and note.startswith("Adam moments loaded"):
         moments = {}
         for s in ("exp_avg", "exp_avg_sq"):
-            for name, t in upstream.merge_ranks(per_state[s], fields).items():
+            for name, t in merge_ranks(per_state[s], fields).items():
                 moments.setdefault(name, {})[s] = t
     sched = first.get("lr_scheduler") or {}
     gbs = int(a["global_batch_size"])
-    return upstream.Converted(
+    return Converted(
         weights=weights, padded_vocab_size=padded_vocab, model=fields,
         iteration=int(first.get("iteration", found.iteration)),
         consumed_samples=int(a.get("consumed_train_samples", 0)),

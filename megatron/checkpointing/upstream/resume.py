@@ -2,7 +2,7 @@
 universal form of one) or plain Megatron ``iter_NNNNNNN/`` checkpoint:
 its preflight check (before any process group) and the load into the model (before deepspeed.initialize).
 
-The checkpoint is read whole (upstream.py: every TP/PP file, merged into our names), then each rank copies its
+The checkpoint is read whole (reader.py: every TP/PP file, merged into our names), then each rank copies its
 shard in, as for a full-state ``--load``; so any TP/PP/ZeRO layout here can resume it. Carried over: weights
 (upstream's padded vocabulary rows too when the padded sizes agree), Adam moments (ZeRO-1/2 files), iteration,
 consumed samples, LR position, and RNG states when this run's TP/PP/DP equal the writer's. Every rank reads every
@@ -11,47 +11,20 @@ file: for large models convert once with tools/convert_megatron_checkpoint.py an
 
 from __future__ import annotations
 
-import os
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megatron.checkpointing import upstream
 from megatron.checkpointing.full_state import VOCAB_PARAMS, load_into_model
-from megatron.checkpointing.state import check_model_shape
+from megatron.checkpointing.state import Resume, check_model_shape
+from megatron.checkpointing.upstream.layout import Converted, Found, describe
+from megatron.checkpointing.upstream.reader import header, read
 from megatron.errors import CheckpointError
 
-# Entries that only a checkpoint has: a --load directory holding one of these but no marker we know is refused
-# (it is someone's checkpoint in a layout we do not read), never silently restarted from iteration 1.
-_CHECKPOINT_DIR_PREFIXES = ("global_step", "iter_", "release", "mp_rank_")
-_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".distcp")
-
-
-def unknown_layout_message(load: str) -> str | None:
-    """One line for a ``--load`` directory that holds checkpoint-like entries in no layout we read, else None."""
-    if os.path.isfile(os.path.join(load, "latest_universal")) and not os.path.isfile(os.path.join(load, "latest")):
-        return (f"--load {load} holds a DeepSpeed universal checkpoint ('latest_universal'): add "
-                "--universal-checkpoint to load it, as upstream does")
-    for name in sorted(os.listdir(load)):
-        if name.startswith(".") or ".tmp-" in name or ".old-" in name:
-            continue  # our interrupted saves: never loaded, cleaned up by the next save
-        full = os.path.join(load, name)
-        if (os.path.isdir(full) and name.startswith(_CHECKPOINT_DIR_PREFIXES)) or name.endswith(_CHECKPOINT_SUFFIXES):
-            return (f"--load {load} holds {name} but no checkpoint layout this trainer reads (ours: 'latest' + "
-                    f"global_stepN/megatron_meta.json, or full_state.json; Megatron-DeepSpeed: global_stepN/ named by "
-                    f"'latest' or '{upstream.TRACKER}'; Megatron: '{upstream.TRACKER}' + iter_NNNNNNN/): point --load "
-                    "at one of these, or at an empty directory to start from scratch")
-    return None
-
-
-def check_upstream(settings, run) -> bool:
-    """Preflight: True when ``--load`` is an upstream checkpoint that this run can resume (shapes checked from its
-    first model file; its pickles need --trust-checkpoint), False when it is not one; raises in one line otherwise."""
-    found = upstream.find(settings.load, settings.universal_checkpoint)
-    if found is None:
-        return False
-    _check(*upstream.header(found, settings.trust_checkpoint), run, settings.load)
-    return True
+def check_upstream(found: Found, settings, run) -> None:
+    """Preflight of the upstream checkpoint ``found`` at ``--load``: this run can resume it (shapes checked from its
+    first model file; its pickles need --trust-checkpoint), or one line saying why not."""
+    _check(*header(found, settings.trust_checkpoint), run, settings.load)
 
 
 def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
@@ -66,16 +39,11 @@ def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
                               "use the tokenizer the checkpoint was trained with")
 
 
-def load_upstream(model, run, pstate, settings):
-    """Before deepspeed.initialize: this rank's shard of an upstream checkpoint into ``model``; a Resume (with the
-    Adam moments for load_checkpoint), or None when ``--load`` is not an upstream checkpoint."""
-    from megatron.checkpointing.checkpoint import Resume
-
+def load_upstream(found: Found, model, run, pstate, settings) -> Resume:
+    """Before deepspeed.initialize: this rank's shard of the upstream checkpoint ``found`` into ``model``; a Resume
+    with the Adam moments for load_checkpoint."""
     optim = not (settings.finetune or settings.no_load_optim)
-    found = upstream.find(settings.load, settings.universal_checkpoint)
-    if found is None:
-        return None
-    conv = upstream.read(found, settings.trust_checkpoint, with_optimizer=optim)
+    conv = read(found, settings.trust_checkpoint, with_optimizer=optim)
     _check(conv.model, conv.padded_vocab_size, conv.layout["tp"], run, settings.load)
     padded_here = run.model.padded_vocab_size(pstate.tp.size)
     weights = vocab_rows(conv, run.model.vocab_size, padded_here)
@@ -85,7 +53,7 @@ def load_upstream(model, run, pstate, settings):
               "--make-vocab-size-divisible-by x TP equal to resume upstream's loss exactly", flush=True)
     load_into_model(model, weights, run.model.num_layers, pstate.tp.size, pstate.tp.rank, found.path)
     if pstate.global_rank == 0:
-        print(f"> upstream {found.kind} checkpoint {found.path}: {upstream.describe(conv)}"
+        print(f"> upstream {found.kind} checkpoint {found.path}: {describe(conv)}"
               f"{'' if not optim else '; ' + (conv.optimizer_note or 'Adam moments loaded')}", flush=True)
     if settings.finetune:
         return Resume(0, 0, found.path)
@@ -94,7 +62,7 @@ def load_upstream(model, run, pstate, settings):
                   rng=None if settings.no_load_rng else _rng(conv, pstate), moments=moments)
 
 
-def _rng(conv: upstream.Converted, pstate) -> dict | None:
+def _rng(conv: Converted, pstate) -> dict | None:
     """Upstream's RNG state for this rank when the layout is the writer's (states are per model-parallel rank)."""
     lay = conv.layout
     if (lay["tp"], lay["pp"], lay["dp"]) != (pstate.tp.size, pstate.pp.size, pstate.dp.size):
@@ -111,7 +79,7 @@ def _rng(conv: upstream.Converted, pstate) -> dict | None:
     return rng
 
 
-def vocab_rows(conv: upstream.Converted, vocab_size: int, padded_here: int) -> dict[str, torch.Tensor]:
+def vocab_rows(conv: Converted, vocab_size: int, padded_here: int) -> dict[str, torch.Tensor]:
     """The weights with vocabulary rows fitted to this run: upstream's padded rows kept where the padded sizes
     agree (they take part in the softmax, so the loss is upstream's to the last digit), else cut to the vocab
     (then zero-padded by full_state.shard_like)."""
@@ -119,7 +87,7 @@ def vocab_rows(conv: upstream.Converted, vocab_size: int, padded_here: int) -> d
     return {k: (v[:keep] if k in VOCAB_PARAMS else v) for k, v in conv.weights.items()}
 
 
-def rng_for(conv: upstream.Converted, mp_index: int, dp_rank: int, dp_size: int) -> dict | None:
+def rng_for(conv: Converted, mp_index: int, dp_rank: int, dp_size: int) -> dict | None:
     """Our RNG-state dict (state.set_rng_state's form) from upstream's list for this model-parallel rank and DP
     rank; None when the layout changed or the checkpoint carries none."""
     if mp_index >= len(conv.rng_states):

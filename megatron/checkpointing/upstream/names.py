@@ -1,0 +1,185 @@
+"""Upstream's parameter names, fused-QKV order and TP splits, mapped to ours (GPTModel's, full_state.py).
+
+Names (upstream -> ours; pipeline files drop the ``language_model.`` / ``encoder.layers.N.`` prefixes and number
+layers by file): ``language_model.embedding.word_embeddings.weight`` -> ``embedding.word_embeddings.weight``,
+``...position_embeddings.weight`` -> ``embedding.position_embeddings``, ``language_model.encoder.layers.N.X`` (or
+``transformer.layers``) -> ``layers.N.X`` for ``input_layernorm``, ``self_attention.query_key_value``,
+``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``, ``mlp.dense_4h_to_h``;
+``encoder.final_layernorm`` -> ``final_layernorm``; ``language_model.output_layer.weight`` ->
+``output_layer.linear.weight``. Upstream's fused QKV (``ParallelAttention.forward`` at its pinned commit) is, on
+each TP rank, all local queries, then all keys, then all values ``[Q | K | V]``; ours is per KV group
+``[q_1 .. q_g, k, v]``: ``qkv_to_ours`` permutes each TP rank's rows (weights and Adam moments) before the TP merge.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from megatron.checkpointing.full_state import VOCAB_PARAMS, merge_tp
+from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.upstream.layout import LAYER_FILE
+from megatron.errors import CheckpointError
+
+_LAYER_NAME = re.compile(r"^(?:language_model\.)?(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
+_PLAIN = {
+    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings",
+    "language_model.encoder.final_layernorm.weight": "final_layernorm.weight",
+    "language_model.encoder.final_layernorm.bias": "final_layernorm.bias",
+    "language_model.transformer.final_layernorm.weight": "final_layernorm.weight",
+    "language_model.transformer.final_layernorm.bias": "final_layernorm.bias",
+    "language_model.output_layer.weight": "output_layer.linear.weight",
+}
+
+
+def our_name(name: str, layer_offset: int = 0) -> str | None:
+    """GPTModel's name for an upstream GPTModel parameter (None: not a weight we keep, e.g. rotary buffers)."""
+    if name in _PLAIN:
+        return _PLAIN[name]
+    m = _LAYER_NAME.match(name)
+    if m:
+        rest = m.group(2)
+        if "rotary" in rest or rest.endswith("inv_freq"):
+            return None
+        return f"layers.{int(m.group(1)) + layer_offset}.{rest}"
+    return None
+
+
+def pipe_roles(files: list[str]) -> dict[int, str]:
+    """Pipeline layer index -> "embedding" / "layers.N" / "final_layernorm" / "output_layer", from the keys each
+    ``layer_XX`` file holds (upstream's GPTModelPipe: embedding, the transformer layers, the final norm, the head)."""
+    keys: dict[int, set[str]] = {}
+    for f in files:
+        idx = int(LAYER_FILE.match(os.path.basename(f)).group(1))
+        keys.setdefault(idx, set()).update(safe_load(f, mmap=True).keys())
+    return roles_from_keys(keys)
+
+
+def roles_from_keys(keys: dict[int, set[str]]) -> dict[int, str]:
+    """Pipeline layer index -> role, from the parameter names (within the layer) each index holds."""
+    roles, n = {}, 0
+    for idx in sorted(keys):
+        k = keys[idx]
+        if "word_embeddings.weight" in k:
+            roles[idx] = "embedding"
+        elif any(x.startswith("self_attention.") for x in k):
+            roles[idx], n = f"layers.{n}", n + 1
+        elif k <= {"weight", "bias"} and n > 0:
+            roles[idx] = "final_layernorm"
+        elif any("weight" in x for x in k):
+            roles[idx] = "output_layer"
+    return roles
+
+
+def pipe_name(name: str, roles: dict[int, str]) -> str | None:
+    """Our name for a parameter of upstream's GPTModelPipe, file-local (``word_embeddings.weight`` in layer 1) or
+    engine-level (``tied_modules.embed.word_embeddings.weight``, ``2.self_attention.dense.weight``)."""
+    if name.startswith("tied_modules.embed."):
+        rest = name[len("tied_modules.embed."):]
+        return "embedding.position_embeddings" if rest == "position_embeddings.weight" else f"embedding.{rest}"
+    m = re.match(r"^(\d+)\.(.+)$", name)
+    if not m or int(m.group(1)) not in roles:
+        return None
+    role, rest = roles[int(m.group(1))], m.group(2)
+    if role == "embedding":
+        return "embedding.position_embeddings" if rest == "position_embeddings.weight" else f"embedding.{rest}"
+    if role == "output_layer":
+        return "output_layer.linear.weight"
+    if "rotary" in rest or rest.endswith("inv_freq"):
+        return None
+    return f"{role}.{rest}"
+
+
+def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
+    """(partition dim, stride) of a TP-sharded parameter under our names, as megatron/model builds them."""
+    if name in VOCAB_PARAMS or re.search(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$", name):
+        return 0, 2 if swiglu and "dense_h_to_4h" in name else 1
+    if re.search(r"(self_attention\.dense|dense_4h_to_h)\.weight$", name):
+        return 1, 1
+    return None
+
+
+# Upstream variants this trainer does not implement: resuming them here would silently compute something else.
+_UNSUPPORTED = {"squared_relu": "--squared-relu", "apply_residual_connection_post_layernorm":
+                "--apply-residual-connection-post-layernorm", "num_experts": "--num-experts (MoE)",
+                "rotary_percent": "--rotary-percent below 1"}
+
+
+def model_fields(a: dict) -> dict:
+    """Upstream's flags under our ModelConfig names (only those that decide shapes and arithmetic)."""
+    for key, flag in _UNSUPPORTED.items():
+        v = a.get(key)
+        bad = (v not in (None, 1.0)) if key == "rotary_percent" else \
+            any(n > 1 for n in (v if isinstance(v, (list, tuple)) else [v or 1])) if key == "num_experts" else bool(v)
+        if bad:
+            raise CheckpointError(f"upstream checkpoint trained with {flag} ({v}): this trainer has no such model; "
+                                  "it cannot be resumed or converted here")
+    rope = a.get("position_embedding_type") == "rope" or a.get("use_rotary_position_embeddings", False)
+    return {
+        "num_layers": a["num_layers"], "hidden_size": a["hidden_size"],
+        "num_attention_heads": a["num_attention_heads"], "ffn_hidden_size": a.get("ffn_hidden_size"),
+        "num_key_value_heads": a.get("num_key_value_heads") or a["num_attention_heads"],
+        "max_position_embeddings": a.get("max_position_embeddings"),
+        "make_vocab_size_divisible_by": a.get("make_vocab_size_divisible_by", 128),
+        "normalization": a.get("normalization", "layernorm").lower(), "swiglu": bool(a.get("swiglu", False)),
+        "openai_gelu": _tanh_gelu(a), "position_embedding_type": "rope" if rope else
+        "learned_absolute", "untie_embeddings_and_output_weights": bool(a.get("untie_embeddings_and_output_weights")),
+        "add_bias_linear": bool(a.get("add_bias_linear", True)),
+        "layernorm_epsilon": float(a.get("layernorm_epsilon", 1e-5)),
+    }
+
+
+def qkv_to_ours(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One TP rank's fused QKV rows (weight [rows, h] or bias [rows]) from upstream's [Q | K | V] (Q: ``heads``
+    x ``head_dim`` rows, K and V: ``kv_heads`` x ``head_dim``) to ours, per KV group [q_1 .. q_g, k, v]."""
+    rest = t.shape[1:]
+    if t.shape[0] != (heads + 2 * kv_heads) * head_dim:
+        raise CheckpointError(f"fused QKV has {t.shape[0]} rows on a TP rank, expected (heads {heads} + 2 x kv heads "
+                              f"{kv_heads}) x head dim {head_dim}: a QKV layout this converter does not know")
+    g = heads // kv_heads
+    q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+    q = q.reshape(kv_heads, g, head_dim, *rest)  # [nkv, g, d, (h)]
+    k, v = k.reshape(kv_heads, 1, head_dim, *rest), v.reshape(kv_heads, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(t.shape)  # [nkv, g + 2, d, (h)] -> rows
+
+
+def local_heads(fields: dict, tp: int) -> tuple[int, int, int]:
+    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
+    if heads % tp or kv % tp:
+        raise CheckpointError(f"upstream checkpoint: {heads} heads / {kv} KV heads do not split over TP {tp}")
+    return heads // tp, kv // tp, fields["hidden_size"] // heads
+
+
+def _tanh_gelu(a: dict) -> bool:
+    """Upstream's MLP runs the tanh GeLU (our --openai-gelu) under --openai-gelu and also under its default
+    --bias-gelu-fusion (``bias_gelu_impl`` is the tanh form); exact erf only with --no-bias-gelu-fusion/--onnx-safe."""
+    if a.get("openai_gelu"):
+        return True
+    plain_gelu = not (a.get("onnx_safe") or a.get("swiglu") or a.get("squared_relu"))
+    return bool(plain_gelu and a.get("bias_gelu_fusion", True) and a.get("add_bias_linear", True))
+
+
+def merge_ranks(per_tp: list[dict[str, torch.Tensor]], fields: dict) -> dict[str, torch.Tensor]:
+    """Our full tensors from upstream's per-TP-rank ones: QKV rows permuted on each rank, then merged over TP."""
+    full = {}
+    local = local_heads(fields, len(per_tp))
+    for name in per_tp[0]:
+        split = tp_split(name, fields["swiglu"])
+        shards = [qkv_to_ours(s[name], *local) if "query_key_value" in name else s[name] for s in per_tp]
+        full[name] = merge_tp(shards, *split) if split else shards[0]
+    return {k: v.detach().float().clone().contiguous() if v.is_floating_point() else v.clone()
+            for k, v in full.items()}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
