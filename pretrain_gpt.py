@@ -8,11 +8,17 @@ upstream), or --mock-data, or --demo-corpus (the embedded default corpus, byte t
 and exits.
 """
 
+import os
 import sys
-from dataclasses import dataclass
 
+from megatron.arguments import configure
 from megatron.config import DataConfig
 from megatron.errors import ConfigError, run_cli
+from megatron.tokenizer import FixedVocabulary, build_tokenizer
+from megatron.topology import discover_ranks
+
+# The model, data and training modules are imported where they are used: they bring torch and DeepSpeed, which
+# --help, --dry-run and a refused flag (one line, on a login node) do not need.
 
 
 def model_provider(run, pstate):
@@ -28,28 +34,17 @@ def model_provider(run, pstate):
                     init_seed=run.training.seed, sp=pstate.sp)
 
 
-@dataclass(frozen=True)
-class Vocabulary:
-    """The tokenizer of data that is already tokens (--mock-data, --demo-corpus): a size and an end-of-document
-    token (None: no documents)."""
-
-    vocab_size: int
-    eod: int | None
-
-
 def tokenizer_provider(data: DataConfig):
     """The data's tokenizer, built once (its files are opened here, before any process group)."""
     source = data.source()
     if source == "--demo-corpus":
         from megatron.data.demo_corpus import BYTE_EOD, BYTE_VOCAB
 
-        return Vocabulary(BYTE_VOCAB, BYTE_EOD)
+        return FixedVocabulary(BYTE_VOCAB, BYTE_EOD)
     if source == "--mock-data":
         if data.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size (the null tokenizer's vocabulary)")
-        return Vocabulary(data.vocab_size, None)  # uniform random tokens: no documents
-    from megatron.tokenizer import build_tokenizer
-
+        return FixedVocabulary(data.vocab_size, None)  # uniform random tokens: no documents
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                            tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size)
 
@@ -86,15 +81,25 @@ def forward_step(model, batch):
     return gpt_forward_step(model, batch)
 
 
+def pretrain_from_flags(argv: list[str], providers) -> dict:
+    """The flags parsed once into a validated RunConfig (and the tokenizer built once), then ``pretrain``: the world
+    size comes from the launcher's environment (Slurm, torchrun or MPI), never from the devices."""
+    from megatron.training.pretrain import pretrain
+
+    ranks = discover_ranks(os.environ)
+    run, tokenizer = configure(argv, ranks.world_size, providers.tokenizer)
+    return pretrain(run, tokenizer, providers, ranks)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--dry-run" in argv:
-        from tools.show_layout import main as show_layout
+        from tools.show_layout import main as show_layout  # a tool of this checkout, not of the package
 
         return show_layout([a for a in argv if a != "--dry-run"])
-    from megatron.training.pretrain import Providers, pretrain
+    from megatron.training.pretrain import Providers
 
-    pretrain(argv, Providers(model_provider, datasets_provider, forward_step, tokenizer_provider))
+    pretrain_from_flags(argv, Providers(model_provider, datasets_provider, forward_step, tokenizer_provider))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron import rendezvous, topology
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import set_seeds
@@ -22,7 +23,6 @@ from megatron.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_store
 def _discover(master_addr: str | None = None, master_port: int | None = None):
     """This rank's RankInfo from the launcher's environment, with rank 0's address as the run will use it
     (--master-addr / --master-port, checked against the Slurm job: see megatron/rendezvous.py)."""
-    from megatron import rendezvous, topology
 
     info, note = rendezvous.resolve_master(topology.discover_ranks(os.environ), os.environ, master_addr, master_port)
     if note and info.rank == 0:

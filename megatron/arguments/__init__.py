@@ -2,7 +2,6 @@
 ranges in megatron/flag_bounds.py) turned into one validated RunConfig (configs.py). Nothing after it reads argparse."""
 
 from megatron.arguments.configs import (
-    Tokenizer,
     attention_backend,
     configure,
     data_config_from_args,
@@ -13,5 +12,5 @@ from megatron.arguments.configs import (
 )
 from megatron.arguments.parser import build_parser, parse_args
 
-__all__ = ["Tokenizer", "attention_backend", "build_parser", "configure", "data_config_from_args",
+__all__ = ["attention_backend", "build_parser", "configure", "data_config_from_args",
            "log_options_from_args", "model_config_from_args", "parse_args", "recompute_notes", "run_config_from_args"]

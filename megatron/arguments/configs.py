@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Protocol
 
 from megatron.arguments.parser import parse_args
 from megatron.config import (
@@ -24,15 +23,7 @@ from megatron.config import (
     named_model,
 )
 from megatron.errors import ConfigError
-from megatron.tokenizer import DEFAULT_TOKENIZER_TYPE
-
-
-class Tokenizer(Protocol):
-    """What the run needs of a tokenizer: the vocabulary (before padding) and the end-of-document token (None: the
-    data has no documents, e.g. --mock-data)."""
-
-    vocab_size: int
-    eod: int | None
+from megatron.tokenizer import DEFAULT_TOKENIZER_TYPE, Vocabulary
 
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -227,8 +218,8 @@ def log_options_from_args(args: argparse.Namespace) -> LogOptions:
         barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, notes=notes).validate()
 
 
-def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[DataConfig], Tokenizer]
-              ) -> tuple[RunConfig, Tokenizer]:
+def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[DataConfig], Vocabulary]
+              ) -> tuple[RunConfig, Vocabulary]:
     """The one way in: flags -> the validated RunConfig, and the tokenizer, built once from the data settings (its
     vocabulary sizes the model). Every error is a one-line ConfigError, before any process group."""
     args = parse_args(argv)

@@ -9,11 +9,18 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing.locate import read_latest, read_meta
-from megatron.checkpointing.full_state import is_full_state, merge_checkpoint, read_full_state, save_full_state
-from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
-from megatron.checkpointing.verify import require_whole
 from megatron.checkpointing import integrity
+from megatron.checkpointing.full_state import (
+    is_full_state,
+    merge_checkpoint,
+    read_full_moments,
+    read_full_state,
+    save_full_state,
+)
+from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
+from megatron.checkpointing.locate import read_latest, read_meta
+from megatron.checkpointing.moments import merge_moments
+from megatron.checkpointing.verify import require_whole
 from megatron.errors import CheckpointError
 
 
@@ -53,8 +60,6 @@ def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, p
 
 def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, str]:
     """(full Adam moments by name, step, why not when None) of the same inputs as ``read_any``."""
-    from megatron.checkpointing.full_state import read_full_moments
-    from megatron.checkpointing.moments import merge_moments
 
     if is_full_state(path):
         got = read_full_moments(path)

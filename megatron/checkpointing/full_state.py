@@ -22,8 +22,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing import integrity
 from megatron.checkpointing.safe_io import safe_load
+from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.errors import CheckpointError
 
 FULL_STATE_META = "full_state.json"
@@ -64,7 +66,6 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
 
 def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
-    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]
@@ -153,7 +154,6 @@ def shard_like(name: str, t: torch.Tensor, p: torch.nn.Parameter, shape, tp_size
                source: str) -> torch.Tensor:
     """This rank's piece of the full tensor ``t`` for parameter ``p`` of ``shape`` (given apart from ``p``: a
     ZeRO engine may have freed its data): the TP slice, vocabulary rows zero-padded to the padded size."""
-    from megatron.core.tensor_parallel.layers import shard_tensor
 
     sharded = getattr(p, "tensor_model_parallel", False)
     dim = int(p.partition_dim) if sharded else 0

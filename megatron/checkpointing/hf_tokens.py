@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
+from megatron.checkpointing.locate import read_latest, read_meta
 from megatron.errors import MegatronError
+from megatron.tokenizer import build_tokenizer
 
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
 
@@ -14,7 +17,6 @@ TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_mode
 def tokenizer_special_ids(flags: dict) -> dict:
     """{bos_token_id, eos_token_id} of the tokenizer ``flags`` (plain --tokenizer-* values) name; {} when none
     is named or its files are gone (an export still works, without the ids)."""
-    from megatron.tokenizer import build_tokenizer
 
     if not flags.get("tokenizer_type"):
         return {}
@@ -34,8 +36,6 @@ def tokenizer_special_ids(flags: dict) -> dict:
 def special_ids_of_checkpoint(path: str, tag: str | None, override: dict | None = None) -> dict:
     """The ids for an export of ``path`` (a --save directory, one tag directory or a full state).
     ``override``: tokenizer flags given to the exporter, which win over what the checkpoint recorded."""
-    from megatron.checkpointing.locate import read_latest, read_meta
-    from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
 
     if override and override.get("tokenizer_type"):
         return tokenizer_special_ids(override)

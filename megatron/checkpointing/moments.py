@@ -18,7 +18,8 @@ import re
 
 import torch
 
-from megatron.checkpointing.full_state import VOCAB_PARAMS, canonical_name, merge_tp
+from megatron.checkpointing import hierarchical_zero as hzero_ckpt
+from megatron.checkpointing.full_state import VOCAB_PARAMS, canonical_name, merge_tp, shard_like
 from megatron.checkpointing.safe_io import safe_load
 from megatron.errors import CheckpointError
 
@@ -30,7 +31,6 @@ Moments = dict[str, dict[str, torch.Tensor]]
 
 def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
     """(full moments by canonical name, Adam step, why not when None) of one checkpoint directory."""
-    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     if not meta.get("has_optimizer", True):
         return None, 0, "the checkpoint was saved with --no-save-optim"
@@ -126,8 +126,6 @@ def _zero0(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
 def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int, num_layers: int,
                  source: str) -> str:
     """Fill ``engine``'s optimizer with this rank's share of ``moments``; returns what was done, for the log."""
-    from megatron.checkpointing.full_state import shard_like
-    from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 
     def shard(name: str, shape, param, full: torch.Tensor) -> torch.Tensor:
         return shard_like(name, full, param, shape, tp_size, tp_rank, source)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron.checkpointing.hierarchical_zero import check_saved_layout
 from megatron.config import RunConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.errors import CheckpointError, ConfigError
@@ -83,7 +84,6 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
                           f"NEW_DIR (see {RESHARD_DOC})")
     # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
     # even without the optimizer.
-    from megatron.checkpointing.hierarchical_zero import check_saved_layout
 
     check_saved_layout(saved, run, where)
     if not load_optim:

@@ -10,6 +10,7 @@ them save and resume through megatron/checkpointing/checkpoint.py; what they can
 
 from __future__ import annotations
 
+from megatron.core import hierarchical_zero
 from megatron.errors import ConfigError
 
 ENGINES = ("zero0", "zero1", "zero2", "zero3", "pipeline", "hpz", "hierarchical")
@@ -26,7 +27,6 @@ REFUSED: dict[tuple[str, str], str] = {
 
 def engine_kind(run, ds_config: dict) -> str:
     """The engine megatron/engine.py will build for ``run`` and its ds_config (as built by build_ds_config)."""
-    from megatron.core import hierarchical_zero
 
     if hierarchical_zero.from_ds_config(ds_config) is not None:
         return "hierarchical"

@@ -17,6 +17,9 @@ import re
 import torch
 
 from megatron.checkpointing import integrity
+from megatron.checkpointing.hierarchical_zero import FORMAT as HZERO
+from megatron.checkpointing.hierarchical_zero import shard_file
+from megatron.core import comm
 from megatron.errors import CheckpointError
 
 MODES = ("full", "size", "off")
@@ -48,7 +51,6 @@ def expected_files(meta: dict, present: set[str]) -> list[str]:
     names: model files per model-parallel rank, ZeRO files per DP x MP rank, pipeline layer files per TP rank;
     hierarchical ZeRO: one file per rank). ``present`` (the directory's names) settles what the layout leaves
     open: the bf16_ prefix DeepSpeed's bf16 optimizer adds, and how many pipeline layer files there are."""
-    from megatron.checkpointing.hierarchical_zero import FORMAT as HZERO, shard_file
 
     p = (meta.get("run") or {}).get("parallel") or {}
     tp, pp = int(p.get("tensor_model_parallel_size", 1)), int(p.get("pipeline_model_parallel_size", 1))
@@ -114,7 +116,6 @@ def verify_collective(ckpt_dir: str, mode: str, say) -> None:
     the same CheckpointError when a file is damaged. ``say``: rank 0's logger."""
     import torch.distributed as tdist
 
-    from megatron.core import comm
 
     if mode == "off":
         say(f"> --verify-checkpoint off: the files of {ckpt_dir} are not checked against their manifest")

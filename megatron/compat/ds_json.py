@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from megatron.compat.ds_config_keys import NOOP, REFUSED, classify
+from megatron.compat.ds_config_keys import NOOP, REFUSED, classify, lookup
 from megatron.config import OptimizerConfig, PrecisionConfig
 from megatron.errors import ConfigError
 
@@ -36,7 +36,6 @@ def apply_table(cfg: dict, source: str) -> list[str]:
 
 def _noop_parent(key: str, cfg: dict) -> bool:
     """A no-op key under a no-op section is said with its section, not again."""
-    from megatron.compat.ds_config_keys import lookup
 
     parent = key.rsplit(".", 1)[0]
     hit = lookup(parent)

@@ -7,8 +7,10 @@ import math
 from collections.abc import Callable, Sequence
 
 from megatron.data.blendable_dataset import BlendableDataset
-from megatron.data.gpt_dataset import GPTDataset, parse_split, split_boundaries
+from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from megatron.data.split import parse_split, split_boundaries
 from megatron.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -152,9 +154,7 @@ def build_data_loader(
     of the loader is one epoch). The batches are upstream's samplers' for the same consumed count.
     ``seed`` seeds only the loader's worker generator (upstream's cyclic order does not depend on it).
     """
-    import torch
-
-    from megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+    import torch  # the data package imports without torch (tools/preprocess_data.py workers)
 
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron.data.index_build import samples_in, separate_last_epoch
+from megatron.data.split import parse_split
 
 UPSTREAM_KEYS = {"doc_idx": "_doc_idx.npy", "sample_idx": "_sample_idx.npy", "shuffle_idx": "_shuffle_idx.npy"}
 _CHUNK = 1 << 22  # rows checked at a time, so the check of a billion-sample index stays within a few hundred MB
@@ -39,8 +40,6 @@ def upstream_dirs(prefix: str, data_cache_path: str | None) -> list[str]:
 def split_spellings(split: str) -> list[str]:
     """--split strings upstream may have hashed for this split: as given, and upstream's default spelling
     "969, 30, 1" (with spaces) when the proportions are the default ones, for a run that never passed --split."""
-    from megatron.data.gpt_dataset import parse_split
-
     return [split] + ([UPSTREAM_DEFAULT_SPLIT] if split != UPSTREAM_DEFAULT_SPLIT
                       and parse_split(split) == parse_split(UPSTREAM_DEFAULT_SPLIT) else [])
 

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.kernels import measure, select
+from megatron.kernels import hip_ops, measure, select
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float,
@@ -23,13 +23,11 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 def _unsupported(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> str | None:
     if backend == "hip":
-        from megatron.kernels import hip_ops
-
         return hip_ops.attention_unsupported(q, k, v, dropout_p)
     if backend == "triton":
         if not select.available("triton", "attention", q.device)[0]:
             return "triton unavailable here"
-        from megatron.kernels import triton_attention
+        from megatron.kernels import triton_attention  # lazy: triton is optional and slow to import
 
         return triton_attention.unsupported_reason(q, k, v, dropout_p)
     return None
@@ -74,11 +72,9 @@ def dot_product_attention(
 def _run(candidate: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float,
          scale: float, softmax_scale: float | None) -> torch.Tensor:
     if candidate == "hip":
-        from megatron.kernels import hip_ops
-
         return hip_ops.HipFlashAttention.apply(q, k, v, causal, scale)
     if candidate == "triton":
-        from megatron.kernels import triton_attention
+        from megatron.kernels import triton_attention  # lazy: triton is optional and slow to import
 
         return triton_attention.TritonFlashAttention.apply(q, k, v, causal, scale)
     return _torch_attention(q, k, v, causal, dropout_p, softmax_scale)

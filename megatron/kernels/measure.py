@@ -31,6 +31,9 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from megatron.kernels import hip_ops
+from megatron.core import comm
+from megatron.core.parallel_state import get_parallel_state
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +143,6 @@ def _versions(device: torch.device) -> str:
             parts.append(f"{dist} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
             pass
-    from megatron.kernels import hip_ops
 
     parts.append("hip ext " + ("built" if hip_ops.built("attention") or hip_ops.built("norm") else "absent"))
     return " | ".join(parts)
@@ -229,8 +231,6 @@ def _agree_in_tp_group(best: str, candidates: dict) -> str:
     two TP ranks could pick different kernels and let those weights drift apart. Every TP rank reaches this
     point for the same key in the same order (same layers, same shapes), so the broadcast cannot deadlock.
     Its tensor lives on ``comm.collective_device`` (NCCL/RCCL take device tensors only)."""
-    from megatron.core import comm
-    from megatron.core.parallel_state import get_parallel_state
 
     try:
         tp = get_parallel_state().tp

@@ -7,20 +7,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron.kernels import measure, select
+from megatron.kernels import hip_ops, measure, select
 
 
 def _why_not(candidate: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why ``candidate`` cannot run this norm call here, or None."""
     if candidate == "hip":
-        from megatron.kernels import hip_ops
-
         return hip_ops.norm_unsupported(x, weight, bias)
     if candidate == "triton":
         ok, why = select.available("triton", "norm", x.device)
         if not ok:
             return why
-        from megatron.kernels import triton_norms
+        from megatron.kernels import triton_norms  # lazy: triton is optional and slow to import
 
         return triton_norms.unsupported_reason(x, weight, bias)
     return None
@@ -55,11 +53,9 @@ def _pick(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, back
 def _run(picked: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
          rms: bool) -> torch.Tensor:
     if picked == "hip":
-        from megatron.kernels import hip_ops
-
         return hip_ops.HipNorm.apply(x, weight, bias, eps, rms)
     if picked == "triton":
-        from megatron.kernels import triton_norms
+        from megatron.kernels import triton_norms  # lazy: triton is optional and slow to import
 
         return triton_norms.rms_norm(x, weight, eps) if rms else triton_norms.layer_norm(x, weight, bias, eps)
     if rms:

@@ -16,6 +16,7 @@ import os
 import torch
 
 from megatron.errors import ConfigError
+from megatron.kernels import hip_ops
 
 BACKENDS = ("auto", "torch", "triton", "hip")
 PREFERENCE = ("hip", "triton", "torch")
@@ -60,7 +61,6 @@ def available(backend: str, op: str, device: torch.device) -> tuple[bool, str]:
             return False, "triton is not installed"
         return True, ""
     if backend == "hip":
-        from megatron.kernels import hip_ops
 
         if not hip_ops.built(op):
             return False, "the csrc HIP extension is not built (needs ROCm or CUDA torch at install time)"

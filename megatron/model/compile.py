@@ -17,6 +17,7 @@ import logging
 from torch import nn
 
 from megatron.core.comm import accelerator_device_type
+from megatron.model.transformer import TransformerLayer
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,6 @@ def compile_transformer_layers(model: nn.Module, enabled: bool, device_type: str
     if device_type == "cpu":
         log.warning("--compile is ignored on CPU: the transformer layers run eager")
         return 0
-    from megatron.model.transformer import TransformerLayer
 
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:

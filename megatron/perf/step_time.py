@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
+from megatron.config.sizes import named_model
+from megatron.errors import ConfigError
 from megatron.perf.comm import CommEstimate, estimate_comm
 from megatron.perf.flops import IterationFlops, forward_flops_per_token, iteration_flops
 from megatron.perf.layout import Layout
@@ -51,7 +53,6 @@ CALIBRATION_TARGET = 0.3838
 
 def calibration_case() -> tuple[ModelConfig, Layout]:
     """The measured ORNL GPT 22B run the efficiency is fitted to."""
-    from megatron.config.sizes import named_model
 
     layout = Layout(tp=1, pp=8, dp=2, micro_batch_size=1, global_batch_size=640, zero_stage=1,
                     recompute_granularity="full", flash_attention=True, dtype="bf16")
@@ -198,7 +199,6 @@ def step_time_by_zero_mode(model: ModelConfig, layout: Layout,
     variant (a hierarchy field on Layout, say) needs only a new entry. Modes the layout cannot run (ZeRO-2/3 with
     a pipeline, hpZ sizes that do not divide DP) are left out rather than raising.
     """
-    from megatron.errors import ConfigError
 
     out = {}
     for name, fields in (ZERO_MODES if modes is None else modes).items():

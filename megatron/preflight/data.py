@@ -10,6 +10,9 @@ import os
 import numpy as np
 
 from megatron.config import RunConfig
+from megatron.data.gpt_builder import check_train_split, parse_data_path
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.split import parse_split, split_boundaries
 from megatron.errors import ConfigError, DataError, warn_once
 
 # More epochs than this over the train split is legal but rarely meant (a small corpus, a long run): say so.
@@ -17,10 +20,6 @@ MANY_EPOCHS = 4
 
 
 def check_data(run: RunConfig) -> None:
-    from megatron.data.gpt_builder import check_train_split, parse_data_path
-    from megatron.data.gpt_dataset import parse_split, split_boundaries
-    from megatron.data.indexed_dataset import IndexedDataset
-
     data = run.data
     if not data.data_path:
         if data.per_epoch_doc_shuffle:  # mock/demo data have no document order to change

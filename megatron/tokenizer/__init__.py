@@ -12,9 +12,11 @@ from megatron.tokenizer.tokenizer import (
     SentencePieceTokenizer,
     build_tokenizer,
 )
+from megatron.tokenizer.vocabulary import FixedVocabulary, Vocabulary
 
 __all__ = [
     "DEFAULT_TOKENIZER_TYPE",
+    "FixedVocabulary",
     "TOKENIZER_TYPES",
     "GPT2BPETokenizer",
     "GPTSentencePieceTokenizer",
@@ -23,5 +25,6 @@ __all__ = [
     "MegatronTokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",
+    "Vocabulary",
     "build_tokenizer",
 ]

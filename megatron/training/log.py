@@ -11,9 +11,9 @@ import time
 from deepspeed.accelerator import get_accelerator
 
 from megatron.config import RunConfig
+from megatron.config.log import LogOptions
 from megatron.perf.flops import iteration_flops
 from megatron.training import tensorboard as tb
-from megatron.config.log import LogOptions
 
 
 def print_rank0(msg: str, rank: int) -> None:

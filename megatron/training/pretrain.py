@@ -1,14 +1,15 @@
-"""``pretrain()``: the Megatron-style entry point. Entry scripts supply providers; this runs the loop.
+"""``pretrain()``: set up and train from a validated RunConfig. Entry scripts parse the flags once
+(megatron/arguments ``configure``, as pretrain_gpt.py does) and supply providers; this runs the loop.
 
-    pretrain(argv, Providers(model, datasets, forward_step, tokenizer))
+    pretrain(run, tokenizer, Providers(model, datasets, forward_step, tokenizer), ranks)
 
 model(run, pstate) -> nn.Module
 datasets(run, tokenizer, train_valid_test_num_samples) -> (train, valid, test); test (or valid) may be None
 forward_step(model, batch) -> scalar loss
 tokenizer(data: DataConfig) -> the data's tokenizer (``vocab_size``; ``eod``, None when the data has no documents)
 
-The flags become one validated RunConfig in megatron/arguments (``configure``); from here on only config objects
-travel. Every check a user can fail happens before any process group exists: one line, exit 2, no hang.
+Only config objects travel from here on. Every check a user can fail happens before any process group exists: one
+line, exit 2, no hang.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
-from megatron.arguments import Tokenizer, configure
 from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
@@ -44,6 +44,7 @@ from megatron.training.profiler import StepProfiler
 from megatron.training.step import set_num_microbatches, train_step
 from megatron.training.tensorboard import open_writer, write_optimizer_stats
 from megatron.training.timers import Timers
+from megatron.tokenizer import Vocabulary
 from megatron.training.watchdog import start_watchdog
 
 
@@ -52,7 +53,7 @@ class Providers:
     model: Callable
     datasets: Callable
     forward_step: Callable
-    tokenizer: Callable[[DataConfig], Tokenizer]
+    tokenizer: Callable[[DataConfig], Vocabulary]
     """The data's tokenizer, built once from the data settings: its vocabulary (before padding) sizes the model,
     its end-of-document token is what --eod-mask-loss masks."""
 
@@ -60,10 +61,9 @@ class Providers:
 _dp_mean = dp_mean  # the DP average of a host number or device scalar (tests import it from here)
 
 
-def pretrain(argv, providers: Providers) -> dict:
-    """Parse flags, set up, train. Returns a summary (first/last loss) for scripts and tests."""
-    ranks = topology.discover_ranks(os.environ)
-    run, tokenizer = configure(argv, ranks.world_size, providers.tokenizer)
+def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks: topology.RankInfo) -> dict:
+    """Set up and train. ``ranks``: this process's place, as discovered from the launcher (the world size ``run`` was
+    configured for). Returns a summary (first/last loss) for scripts and tests."""
     kill = run.runtime.kill_switch_file
     if kill and os.path.exists(kill):  # upstream: exit 0 before training
         print(f"> kill switch {kill} is present: exiting before training (remove it to train)", flush=True)
@@ -114,7 +114,7 @@ def pretrain(argv, providers: Providers) -> dict:
         initialize.shutdown()
 
 
-def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Tokenizer,
+def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
            resume: Resume, eod: int | None = None) -> dict:
     """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask)."""
     opts, ckpt, t = run.logging, run.checkpoint, run.training

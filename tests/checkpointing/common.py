@@ -15,10 +15,10 @@ LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", 
 
 def _pretrain(argv: list[str]) -> dict:
     import pretrain_gpt
-    from megatron.training.pretrain import Providers, pretrain
+    from megatron.training.pretrain import Providers
 
-    return pretrain(argv, Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
-                                    pretrain_gpt.forward_step, pretrain_gpt.vocab_size))
+    return pretrain_gpt.pretrain_from_flags(argv, Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                                                            pretrain_gpt.forward_step, pretrain_gpt.tokenizer_provider))
 
 
 def pretrain_on(world: int, argv: list[str], timeout: float = 240.0) -> dict:

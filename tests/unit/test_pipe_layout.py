@@ -102,7 +102,8 @@ def test_layout_report_lists_groups_stages_params_and_memory():
 
 
 def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
-    from megatron.training.pretrain import Providers, pretrain
+    from pretrain_gpt import pretrain_from_flags
+    from megatron.training.pretrain import Providers
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -111,4 +112,4 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--no-pipeline-parallel"]
     with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
-        pretrain(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))
+        pretrain_from_flags(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))

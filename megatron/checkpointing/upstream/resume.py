@@ -11,7 +11,6 @@ file: for large models convert once with tools/convert_megatron_checkpoint.py an
 
 from __future__ import annotations
 
-
 import torch
 from deepspeed.accelerator import get_accelerator
 
@@ -20,6 +19,7 @@ from megatron.checkpointing.state import Resume, check_model_shape
 from megatron.checkpointing.upstream.layout import Converted, Found, describe
 from megatron.checkpointing.upstream.reader import header, read
 from megatron.errors import CheckpointError
+
 
 def check_upstream(found: Found, settings, run) -> None:
     """Preflight of the upstream checkpoint ``found`` at ``--load``: this run can resume it (shapes checked from its

@@ -19,6 +19,7 @@ from megatron.core.hierarchical_zero.config import (
 )
 from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
 from megatron.core.hierarchical_zero.groups import Hierarchy, build_hierarchy, check_whole_nodes, level_groups
+from megatron.topology import discover_ranks
 
 __all__ = [
     "SECTION",
@@ -42,7 +43,6 @@ def ranks_per_node(hcfg: HierarchyConfig | dict) -> int:
     configured = hcfg.get("ranks_per_node") if isinstance(hcfg, dict) else hcfg.ranks_per_node
     if configured is not None:
         return configured
-    from megatron.topology import discover_ranks
 
     return discover_ranks(os.environ, use_mpi4py=False).local_world_size
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
+from megatron.core import comm
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 
@@ -75,14 +76,12 @@ class _KeepShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        from megatron.core import comm
 
         ctx.group, ctx.shape = group, x.shape
         return x.detach().reshape(-1).chunk(comm.world_size(group))[comm.rank(group)].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        from megatron.core import comm
 
         return comm.all_gather(grad.contiguous(), ctx.group).reshape(ctx.shape), None
 
@@ -93,7 +92,6 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, group, shape):
-        from megatron.core import comm
 
         ctx.n, ctx.r = comm.world_size(group), comm.rank(group)
         return comm.all_gather(shard.contiguous(), group).reshape(shape)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron.data.gpt_builder import build_data_loader, build_train_valid_test_datasets
-from megatron.data.gpt_dataset import GPTDataset, split_boundaries
+from megatron.data.gpt_dataset import GPTDataset
+from megatron.data.split import split_boundaries
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megatron.errors import DataError

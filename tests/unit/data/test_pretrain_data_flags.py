@@ -35,8 +35,8 @@ def _pretrain_recording(argv: list[str]) -> dict:
         return real_datasets(run, tokenizer, num_samples)
 
     pt.microbatches = microbatches
-    summary = pt.pretrain(argv, pt.Providers(pretrain_gpt.model_provider, datasets, forward_step,
-                                             pretrain_gpt.tokenizer_provider))
+    summary = pretrain_gpt.pretrain_from_flags(argv, pt.Providers(pretrain_gpt.model_provider, datasets, forward_step,
+                                                                  pretrain_gpt.tokenizer_provider))
     return {"calls": calls, "asked": asked, "iterations": summary["iterations"], "masks": masks}
 
 

@@ -73,7 +73,7 @@ def test_fixture_scenarios_cover_the_epoch_cases():
 
 
 def _split_tokens(split: str) -> int:
-    from megatron.data.gpt_dataset import split_boundaries
+    from megatron.data.split import split_boundaries
 
     ds = IndexedDataset(os.path.join(FIXTURES, "corpus_a"))
     b = split_boundaries(META["one_epoch"]["split"], ds.num_documents)
