@@ -14,6 +14,14 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v
     || echo "warning: could not install shellcheck; its test will be skipped" >&2
 fi
 
+# The import contracts of pyproject.toml (layers point down, no cycles; docs/architecture.md): a few seconds.
+if ! lint_out="$(lint-imports --no-cache 2>&1)"; then
+  printf '%s\n' "$lint_out" | sed -n '/Broken contracts/,$p' >&2
+  echo "error: lint-imports: an import breaks the layers or makes a cycle (above); see docs/architecture.md" >&2
+  exit 1
+fi
+echo "lint-imports: $(printf '%s\n' "$lint_out" | grep -E '^Contracts: ')"
+
 if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
   bash csrc/check_hip_compile.sh
 fi
