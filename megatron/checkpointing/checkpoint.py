@@ -37,6 +37,7 @@ from megatron.checkpointing.state import (
     Resume,
     check_model_shape,
     check_resume,
+    loads_optimizer,
     plain_args,
     plain_run,
     rng_for_rank,
@@ -259,7 +260,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
         return Resume()
     ckpt_dir, tag = target.path, target.tag
     meta = read_meta(ckpt_dir)
-    load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
+    load_optim = loads_optimizer(settings, meta)
     check_resume(meta, run, load_optim, ckpt_dir)
     verify.verify_collective(ckpt_dir, settings.verify, _say)  # sizes and checksums, shared over the ranks
     validate_files(ckpt_dir)

@@ -12,7 +12,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.checkpointing.hierarchical_zero import check_saved_layout
-from megatron.config import RunConfig
+from megatron.config import CheckpointSettings, RunConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.errors import CheckpointError, ConfigError
 
@@ -67,6 +67,11 @@ def plain_args(flags: dict) -> dict:
 def plain_run(run: RunConfig) -> dict:
     """The validated settings as plain data (the record of the flags is kept apart, as 'args')."""
     return {k: v for k, v in dataclasses.asdict(run).items() if k != "flags"}
+
+
+def loads_optimizer(settings: CheckpointSettings, meta: dict) -> bool:
+    """Whether resuming the checkpoint described by ``meta`` restores its optimizer state under these flags."""
+    return not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
 
 
 def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> None:

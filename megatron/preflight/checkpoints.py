@@ -10,7 +10,7 @@ import socket
 from megatron.checkpointing.full_state import FULL_STATE_META
 from megatron.checkpointing.locate import classify_load, missing_checkpoint_message, read_meta
 from megatron.checkpointing.space import low_space_warning
-from megatron.checkpointing.state import check_model_shape, check_resume
+from megatron.checkpointing.state import check_model_shape, check_resume, loads_optimizer
 from megatron.checkpointing.upstream import check_upstream
 from megatron.checkpointing.verify import check_complete
 from megatron.config import CheckpointSettings, RunConfig
@@ -76,8 +76,7 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
             check_complete(target.path, None)
         return
     meta = read_meta(target.path)
-    load_optim = not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
-    check_resume(meta, run, load_optim, target.path)
+    check_resume(meta, run, loads_optimizer(settings, meta), target.path)
     if not settings.finetune:
         check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
     if settings.verify != "off":  # every file the manifest (or layout) names, sized: stats only
