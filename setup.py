@@ -1,8 +1,8 @@
 """Install Megatron-Frontier: `pip install -e .[test]`.
 
 Builds the pybind11 data-index helpers always, and the csrc GPU kernels only when torch is a ROCm or CUDA
-build (optional: a failed kernel build is a warning; on CPU torch they are skipped cleanly; see README
-"What is verified").
+build (optional: a failed kernel build is a warning; on CPU torch they are skipped cleanly; see
+docs/verification.md).
 """
 
 import os

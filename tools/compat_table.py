@@ -1,7 +1,7 @@
-"""Write the README's compatibility tables from the code: every upstream Megatron-DeepSpeed flag and every DeepSpeed
-JSON key with its class (megatron/compat/). ``--check`` exits 1 when README.md is not up to date (a test runs it).
+"""Write the compatibility tables of docs/compatibility.md from the code: every upstream Megatron-DeepSpeed flag and
+every DeepSpeed JSON key with its class (megatron/compat/). ``--check`` exits 1 when the file is stale (a test runs it).
 
-    python tools/compat_table.py           # rewrite the block between the markers in README.md
+    python tools/compat_table.py           # rewrite the block between the markers in docs/compatibility.md
     python tools/compat_table.py --check
 """
 
@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from megatron.arguments import build_parser
 from megatron.compat import flags as compat
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+DOC_NAME = "docs/compatibility.md"
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), DOC_NAME)
 BEGIN, END = "<!-- compat-table:begin (tools/compat_table.py writes this block) -->", "<!-- compat-table:end -->"
 
 
@@ -80,9 +81,9 @@ def render() -> str:
     return "\n".join(lines + [END])
 
 
-def updated_readme(text: str) -> str:
+def updated_doc(text: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{DOC_NAME} has no {BEGIN} ... {END} block")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return head + render() + tail
@@ -90,17 +91,17 @@ def updated_readme(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="exit 1 if README.md's table is stale")
+    p.add_argument("--check", action="store_true", help=f"exit 1 if {DOC_NAME}'s tables are stale")
     args = p.parse_args(argv)
-    with open(README) as f:
+    with open(DOC) as f:
         text = f.read()
-    new = updated_readme(text)
+    new = updated_doc(text)
     if args.check:
         if new != text:
-            print("README.md's compatibility table is stale: run python tools/compat_table.py", file=sys.stderr)
+            print(f"{DOC_NAME}'s compatibility tables are stale: run python tools/compat_table.py", file=sys.stderr)
             return 1
         return 0
-    with open(README, "w") as f:
+    with open(DOC, "w") as f:
         f.write(new)
     return 0
 

@@ -2,7 +2,7 @@
 any other layout. Carried over: weights, Adam moments (exp_avg, exp_avg_sq, step; from hierarchical ZeRO,
 ZeRO-1/2 and non-pipeline ZeRO-0 checkpoints), iteration, consumed samples, LR schedule position. Restarted: RNG
 states (they are partitioned by layout), and the moments of ZeRO-3 / pipeline ZeRO-0 checkpoints (said when so).
-See README.md#checkpoints-resume-conversion-and-faults.
+See docs/checkpoints.md#resharding-full-state-conversion.
 
     python tools/reshard_checkpoint.py --load CHECKPOINTS [--tag global_step100] --save FULL_STATE_DIR
 """

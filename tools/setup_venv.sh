@@ -4,7 +4,7 @@
 # Re-installs only when setup.py / pyproject.toml / the C++ data helpers change (a stamp file records their hash).
 #
 # torch: if the venv has none, `torch==2.13.0` is installed (the CPU wheel on the project's machines).
-# On Frontier, install ROCm torch into the environment first (see README); it is then left alone.
+# On Frontier, install ROCm torch into the environment first (README.md, docs/frontier.md); it is then left alone.
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="$_root/.venv"

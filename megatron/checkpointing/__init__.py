@@ -1,6 +1,6 @@
 """Checkpoints: crash-safe DeepSpeed save/load with exact resume, full-state (any layout) and HF conversion.
 
-See README.md#checkpoints-resume-conversion-and-faults for the on-disk layout, the flags and what is unpickled where.
+See docs/checkpoints.md for the on-disk layout, the flags and what is unpickled where.
 """
 
 from megatron.checkpointing.checkpoint import load_checkpoint, load_full_state, save_checkpoint

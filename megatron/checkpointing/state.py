@@ -27,8 +27,8 @@ SHAPE_FIELDS = {
     "add_bias_linear": "--disable-bias-linear",
 }
 
-# A real heading of README.md (tests/unit/test_preflight.py checks that the anchor exists).
-RESHARD_DOC = "README.md#checkpoints-resume-conversion-and-faults"
+# A real heading of docs/checkpoints.md (tests/unit/test_preflight.py checks that the anchor exists).
+RESHARD_DOC = "docs/checkpoints.md#resharding-full-state-conversion"
 
 
 def rng_state() -> dict:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite (README "What is verified"): bash tests/gpu/run.sh [pytest args]
+# The GPU suite (docs/verification.md): bash tests/gpu/run.sh [pytest args]
 #
 # Python: .venv/ when its torch is a CUDA or ROCm build, else the machine's own python3 when its torch is
 # (e.g. an offline image with CUDA torch preinstalled). For such an image, wheels collected by

@@ -145,8 +145,8 @@ def test_honoured_flags_keep_upstreams_defaults():
     assert set(differ) == set(compat.DEFAULT_DIFFERENCES), differ
 
 
-def test_readme_table_is_current():
-    """The README's compatibility table is written from these tables (tools/compat_table.py)."""
+def test_compatibility_doc_table_is_current():
+    """docs/compatibility.md's tables are written from these tables (tools/compat_table.py)."""
     import subprocess
     import sys
 
