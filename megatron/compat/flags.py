@@ -1,6 +1,6 @@
 """Every flag of upstream Megatron-DeepSpeed's pretrain_gpt.py in exactly one class, as data.
 
-- honoured: our parser defines the flag (megatron/arguments.py) and it does here what it does upstream;
+- honoured: our parser defines the flag (megatron/arguments/parser.py) and it does here what it does upstream;
 - no-op: provably without effect here (``NOOPS``); accepted and said once in the log. A no-op may hold only for
   some values (``NoOp.accepts``); other values are refused with ``NoOp.otherwise``;
 - refused: one line before any process group, naming the flag and what to use instead (``REFUSALS``, or the
