@@ -86,7 +86,9 @@ def plan(names: list[str], gpu: bool) -> Plan:
 
 
 def step_timeout(step: Step, remaining_s: float, gpu: bool) -> tuple[int, str | None]:
-    """(timeout in seconds, None) to start ``step`` with ``remaining_s`` of the budget left, or (0, why not)."""
-    if remaining_s < max(step.min_s, 1):
-        return 0, f"budget: {max(remaining_s, 0):.0f} s left, it needs at least {step.min_s} s"
+    """(timeout in seconds, None) to start ``step`` with ``remaining_s`` of the budget left, or (0, why not).
+    ``min_s`` is a GPU figure: a CPU twin needs only a second (a CPU run has no budget unless one is given)."""
+    need = max(step.min_s if gpu else 0, 1)
+    if remaining_s < need:
+        return 0, f"budget: {max(remaining_s, 0):.0f} s left, it needs at least {need} s"
     return int(min(step.gpu_s if gpu else CPU_STEP_S, remaining_s)), None

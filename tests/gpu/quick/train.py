@@ -74,7 +74,8 @@ def kernel_choices(cache_dir: str) -> str:
 def main(a: StepArgs) -> None:
     iters = GPU_ITERS if a.gpu else CPU_ITERS
     half = iters // 2
-    work = os.path.join(REPO, "build", "quick", "train")
+    # Checkpoints stay out of $OUT (whose files travel back from the device); QUICK_WORK lets a test use its tmp.
+    work = os.path.join(os.environ.get("QUICK_WORK") or os.path.join(REPO, "build", "quick", "work"), "train")
     shutil.rmtree(work, ignore_errors=True)  # a stale checkpoint would be resumed by the first run
     ckpt, cache = os.path.join(work, "ckpt"), os.path.join(work, "kernel-cache")
     base = (GPU_MODEL if a.gpu else CPU_MODEL) + COMMON + ["--train-iters", str(iters)]
