@@ -91,6 +91,46 @@ def test_summary_renders_one_line_per_step_and_parses_back():
         summary.parse(text + "train: fine\n")
 
 
+def test_resume_comparison_says_bit_exact_within_tolerance_or_beyond():
+    from tests.gpu.quick.train import RESUME_REL, compare_resume
+
+    straight = {i: 10.0 - 0.1 * i for i in range(1, 7)}
+    assert compare_resume(straight, {i: straight[i] for i in (4, 5, 6)}, 3, 6) == (
+        True, "resume 4-6 bit-exact (float32 losses; deterministic mode off)")
+    assert compare_resume(straight, {i: straight[i] for i in (4, 5, 6)}, 3, 6, exact=False)[1].startswith(
+        "resume 4-6 equal to the 7 printed digits")
+    near = {i: straight[i] * (1 + RESUME_REL / 2) for i in (4, 5, 6)}
+    ok, what = compare_resume(straight, near, 3, 6)
+    assert ok and "NOT bit-exact: max rel diff 5.00e-03, within bf16 tol" in what
+    far = {**near, 6: straight[6] * (1 + 2 * RESUME_REL)}
+    assert compare_resume(straight, far, 3, 6)[0] is False
+    ok, what = compare_resume(straight, {4: straight[4], 6: straight[6]}, 3, 6)
+    assert not ok and what == "resumed run logged iterations [4, 6], expected 4-6"
+
+
+def test_kernel_and_speed_lines_carry_counts_errors_ratios_and_goals():
+    from tests.gpu.quick.common import Case
+    from tests.gpu.quick.kernels import describe as kernels_line
+    from tests.gpu.quick.speed import describe as speed_line
+
+    cases = [Case("m::test_a[bf16]", "passed", "", {"err_over_tol": "0.25"}),
+             Case("m::test_b[bf16]", "failed", "AssertionError: dq: relative error 2e-02 > tolerance 1e-02",
+                  {"err_over_tol": "2"}), Case("m::test_c", "skipped", "not built", {})]
+    assert kernels_line("triton", cases) == ("triton 1 passed, 1 failed, 1 skipped (worst 2 of tolerance); first "
+                                             "failure test_b[bf16]: AssertionError: dq: relative error 2e-02 > "
+                                             "tolerance 1e-02")
+    assert kernels_line("csrc", cases[2:]) == "csrc 1 skipped (not built)"
+    results = {"ours auto": {"tokens_per_s": 110.0, "peak_mem_gb": 30.0},
+               "ours torch kernels": {"tokens_per_s": 120.0, "peak_mem_gb": 31.0},
+               "HF + torch.compile": {"tokens_per_s": 100.0, "peak_mem_gb": 40.0}, "HF eager": {"error": "exit 1"}}
+    mfu = {"ours auto": 41.0, "ours torch kernels": 44.7, "HF + torch.compile": 37.3}
+    line = speed_line(results, mfu, gpu=True)
+    assert "ours auto 110 tok/s, MFU 41.0%, 30.0 GB" in line and "HF eager FAILED: exit 1" in line
+    assert "ours auto / HF + torch.compile 1.10x (goal >= 1.10: met)" in line
+    assert "ours auto / ours torch kernels 0.92x (goal >= 1.00: NOT met)" in line
+    assert "(goal >= 1.10: not judged on CPU)" in speed_line(results, mfu, gpu=False)
+
+
 def test_orchestrator_times_out_a_step_skips_what_the_budget_cannot_hold_and_records_all(tmp_path, monkeypatch,
                                                                                         capsys):
     """The real orchestrator with stand-in step processes: train overruns its (budget-lowered) timeout and is

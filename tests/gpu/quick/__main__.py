@@ -110,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         proc, step, seconds, started = background
         background = None
         done = finish(proc, step, seconds, started, args.out)
-        if done.status == "failed":  # no kernels of an earlier build may stand in for the ones that failed now
-            note = f"removed {len(build.uninstall())} earlier csrc extension(s) from the package"
-        else:
-            n = len(build.install())
-            note = f"installed {n} extension(s) in place" if n else ""
+        notes = []
+        if gpu and done.status == "failed":  # no kernels of an earlier build may stand in for the ones that failed
+            notes.append(f"removed {len(build.uninstall())} earlier csrc extension(s) from the package")
+        installed = build.install(csrc=done.status != "failed") if gpu else []  # data helpers whatever happened
+        if installed:
+            notes.append(f"installed in place: {', '.join(os.path.basename(p).split('.')[0] for p in installed)}")
+        note = "; ".join(notes)
         outcomes[step.name] = summary.Outcome(done.step, done.status, done.seconds,
                                               "; ".join(p for p in (done.detail, note) if p))
         write()

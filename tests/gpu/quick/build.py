@@ -33,12 +33,15 @@ def built(lib: str = LIB) -> dict[str, str]:
     return out
 
 
-def install(lib: str = LIB) -> list[str]:
-    """Copy every extension built under ``lib`` to its place in the package (what an in-place build does);
-    the package paths copied."""
+def install(lib: str = LIB, csrc: bool = True) -> list[str]:
+    """Copy the extensions built under ``lib`` to their places in the package (what an in-place build does), the
+    csrc kernels only with ``csrc``; the package paths copied."""
     done = []
     for src in glob.glob(os.path.join(lib, "megatron", "**", "*.so"), recursive=True):
-        dst = os.path.join(REPO, os.path.relpath(src, lib))
+        rel = os.path.relpath(src, lib)
+        if not csrc and any(rel.startswith(stem) for stem in CSRC.values()):
+            continue
+        dst = os.path.join(REPO, rel)
         shutil.copy2(src, dst)
         done.append(os.path.relpath(dst, REPO))
     return sorted(done)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -54,15 +53,16 @@ def step_args(argv: list[str] | None = None) -> StepArgs:
 
 def run_logged(cmd: list[str], log: str, timeout: float, env: dict | None = None) -> tuple[int, str]:
     """(exit status, output) of ``cmd`` run from the repository root, stdout and stderr into ``log``; 124 when it
-    ran past ``timeout`` (its whole process group is killed, so no child keeps the GPU)."""
+    ran past ``timeout`` and was killed. It stays in the step's process group, so the step's own ``timeout``
+    reaches it, and the orchestrator's sweep of that group after the step takes whatever it left running."""
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
             rc = 124
             f.write(f"\nquick: killed after {timeout:.0f} s\n")
@@ -103,8 +103,8 @@ def pytest_cases(args: list[str], junit: str, log: str, timeout: float, env: dic
             el = tc.find(tag)
             if el is not None:
                 outcome = what
-                message = (el.get("message") or el.text or "").strip().splitlines()[0:1]
-                message = message[0] if message else tag
+                text = (el.get("message") or el.text or "").strip()
+                message = text.splitlines()[0] if text else tag
                 break
         cases.append(Case(f"{tc.get('classname', '')}::{tc.get('name', '')}", outcome, message, props))
     return cases
