@@ -99,6 +99,8 @@ def test_resume_comparison_says_bit_exact_within_tolerance_or_beyond():
         True, "resume 4-6 bit-exact (float32 losses; deterministic mode off)")
     assert compare_resume(straight, {i: straight[i] for i in (4, 5, 6)}, 3, 6, exact=False)[1].startswith(
         "resume 4-6 equal to the 7 printed digits")
+    last_bit = {4: straight[4], 5: straight[5] + 1e-6, 6: straight[6]}  # any difference is "not bit-exact"
+    assert compare_resume(straight, last_bit, 3, 6)[1].startswith("resume 4-6 NOT bit-exact: max rel diff 1.05e-07")
     near = {i: straight[i] * (1 + RESUME_REL / 2) for i in (4, 5, 6)}
     ok, what = compare_resume(straight, near, 3, 6)
     assert ok and "NOT bit-exact: max rel diff 5.00e-03, within bf16 tol" in what
