@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, step, seconds, started = background
         background = None
         done = finish(proc, step, seconds, started, args.out)
-        notes = []
+        notes = [chosen.notes[step.name]] if step.name in chosen.notes else []  # e.g. "added: kernels use ..."
         if gpu and done.status == "failed":  # no kernels of an earlier build may stand in for the ones that failed
             notes.append(f"removed {len(build.uninstall())} earlier csrc extension(s) from the package")
         installed = build.install(csrc=done.status != "failed") if gpu else []  # data helpers whatever happened

@@ -1,5 +1,7 @@
 """The steps of tests/gpu/quick.sh in run order (most valuable first), and which of them one run takes.
 
+build, train, kernels and speed are the issue's items 1-3; variants, speed2, kbench and suite its item 4, which a
+default run reaches only when the budget still holds their ``min_s`` (a second run names them).
 Pure logic (no torch): tests/unit/test_gpu_quick.py checks it on CPU.
 """
 
@@ -22,8 +24,6 @@ class Step:
     """Its own timeout on one GPU; the remaining budget lowers it."""
     min_s: int = 0
     """The least time worth starting it with; less remaining budget skips it."""
-    extra: bool = False
-    """The issue's item 4: run when named, or by default only when the budget still has min_s left."""
     background: bool = False
     """Started first and run alongside the next steps (it needs CPUs, they need the GPU); joined before the
     first step that uses what it makes."""
@@ -39,12 +39,10 @@ STEPS = (
     Step("speed", "speed", "GPT-2 1.3B, seq 2048, bf16, ZeRO-1, mbs 4, gbs 8: ours auto, ours torch kernels, "
          "HF + torch.compile (bench/gpu_throughput.py)", 200, min_s=90),
     Step("variants", "extra", "tests/gpu/test_pretrain_gpu.py: bf16 ZeRO-3, fp16, full recompute, Llama, each "
-         "against its reference", 300, min_s=150, extra=True),
-    Step("speed2", "speed", "the speed comparison's other contenders: ours --compile, HF eager", 240, min_s=120,
-         extra=True),
-    Step("kbench", "extra", "bench/gpu_kernels.py --quick: each kernel backend's time against torch", 150, min_s=60,
-         extra=True),
-    Step("suite", "extra", "the rest of tests/gpu on one GPU (multi-GPU cases skip)", 600, min_s=240, extra=True),
+         "against its reference", 300, min_s=150),
+    Step("speed2", "speed", "the speed comparison's other contenders: ours --compile, HF eager", 240, min_s=120),
+    Step("kbench", "extra", "bench/gpu_kernels.py --quick: each kernel backend's time against torch", 150, min_s=60),
+    Step("suite", "extra", "the rest of tests/gpu on one GPU (multi-GPU cases skip)", 600, min_s=240),
 )
 BY_NAME = {s.name: s for s in STEPS}
 CPU_STEP_S = 900
@@ -62,8 +60,6 @@ class PlanError(ValueError):
 class Plan:
     chosen: tuple[Step, ...]
     """The steps to run, in STEPS order."""
-    named: bool
-    """Steps were named on the command line (extra steps then run whenever the budget allows)."""
     notes: dict[str, str]
     """step name -> why it was added or left out, for the summary."""
 
@@ -82,7 +78,7 @@ def plan(names: list[str], gpu: bool) -> Plan:
     for s in STEPS:
         if s.name not in wanted:
             notes[s.name] = "not named"
-    return Plan(tuple(s for s in STEPS if s.name in wanted), bool(names), notes)
+    return Plan(tuple(s for s in STEPS if s.name in wanted), notes)
 
 
 def step_timeout(step: Step, remaining_s: float, gpu: bool) -> tuple[int, str | None]:
