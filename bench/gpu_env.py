@@ -53,7 +53,7 @@ def peak_tflops(override: float | None = None) -> tuple[float, str]:
     raise SystemExit(f"no known bf16 peak for device {name!r}: pass --peak-tflops")
 
 
-def _driver() -> str:
+def driver_version() -> str:
     for tool, args in (("nvidia-smi", ["--query-gpu=driver_version", "--format=csv,noheader"]),
                        ("rocm-smi", ["--showdriverversion"])):
         if shutil.which(tool):
@@ -70,7 +70,7 @@ def versions() -> dict[str, str]:
 
     out = {"device": device_name(), "torch": torch.__version__,
            "cuda/hip": f"cuda {torch.version.cuda}" if torch.version.hip is None else f"hip {torch.version.hip}",
-           "driver": _driver()}
+           "driver": driver_version()}
     try:
         import triton
 

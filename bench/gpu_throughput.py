@@ -2,6 +2,7 @@
 against HF transformers eager and HF + torch.compile, same shape, batch and optimizer.
 
     python bench/gpu_throughput.py [--models gpt2-1.3b llama-1b] [--steps 30] [--out build/gpu_throughput.md]
+                                   [--log-dir DIR]   (each contender's full output: DIR/<model>_<contender>.log)
 
 Contenders (each in its own process, so peak memory is its own):
 - ours auto: ``pretrain_gpt.py`` as a user runs it (bf16, ZeRO-1, mock data), kernels chosen by measurement;
@@ -38,7 +39,11 @@ MODELS = {
                   "16", "--num-key-value-heads", "4", "--ffn-hidden-size", "5504", "--vocab-size", "32000"],
                  dict(kind="llama", num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                       ffn_hidden_size=5504, vocab_size=32000)),
+    # Not a default: the CPU twin of tests/gpu/quick.sh's speed step (and a smoke test of this file's paths).
+    "gpt2-tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "500"],
+                  dict(kind="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=500)),
 }
+DEFAULT_MODELS = ["gpt2-1.3b", "llama-1b"]
 _TOKENS = re.compile(r"tokens per second: ([0-9.]+)")
 _MEM = re.compile(r"mem \(GB\): ([0-9.]+)")
 
@@ -72,10 +77,19 @@ def ours_flags(name: str, args, extra_flags: list[str]) -> list[str]:
            "--eval-interval", str(10**6), "--peak-tflops", str(args.peak), *extra_flags]
 
 
-def run_ours(name: str, args, env_extra: dict, extra_flags: list[str]) -> dict:
+def save_log(args, name: str, who: str, proc: subprocess.CompletedProcess) -> None:
+    """A contender's whole output into --log-dir (when set), for what its one-line error leaves out."""
+    if args.log_dir:
+        slug = "".join(c if c.isalnum() else "-" for c in who).strip("-")
+        with open(os.path.join(args.log_dir, f"{name}_{slug}.log"), "w") as f:
+            f.write(f"$ {' '.join(proc.args)}\n{proc.stdout}\n{proc.stderr}")
+
+
+def run_ours(name: str, args, env_extra: dict, extra_flags: list[str], who: str = "ours") -> dict:
     cmd = [sys.executable, os.path.join(gpu_env.REPO, "pretrain_gpt.py"), *ours_flags(name, args, extra_flags)]
     env = dict(os.environ, **env_extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=gpu_env.REPO, timeout=args.timeout)
+    save_log(args, name, who, proc)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"}
     text = proc.stdout + proc.stderr
@@ -150,6 +164,7 @@ def run_hf(name: str, compiled: bool, args) -> dict:
            "--steps", str(args.steps), "--log-interval", str(args.log_interval), "--skip-windows",
            str(args.skip_windows), "--dropout", str(args.dropout), "--peak-tflops", str(args.peak)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=gpu_env.REPO, timeout=args.timeout)
+    save_log(args, name, "HF + torch.compile" if compiled else "HF eager", proc)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"}
@@ -157,9 +172,9 @@ def run_hf(name: str, compiled: bool, args) -> dict:
 
 
 CONTENDERS = {
-    "ours auto": lambda n, a: run_ours(n, a, {}, []),
-    "ours torch kernels": lambda n, a: run_ours(n, a, {"MEGATRON_KERNEL_SELECT": "torch"}, []),
-    "ours --compile": lambda n, a: run_ours(n, a, {}, ["--compile"]),
+    "ours auto": lambda n, a: run_ours(n, a, {}, [], "ours auto"),
+    "ours torch kernels": lambda n, a: run_ours(n, a, {"MEGATRON_KERNEL_SELECT": "torch"}, [], "ours torch kernels"),
+    "ours --compile": lambda n, a: run_ours(n, a, {}, ["--compile"], "ours --compile"),
     "HF eager": lambda n, a: run_hf(n, False, a),
     "HF + torch.compile": lambda n, a: run_hf(n, True, a),
 }
@@ -184,7 +199,7 @@ def report(name: str, results: dict[str, dict], args) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
     p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -196,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", dest="peak", type=float, default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=None)
+    p.add_argument("--log-dir", default=None, help="write each contender's whole output here")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hf-compile", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -21,7 +21,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.kernels import hip_ops, select
-from tests.unit.kernels.reference import TOL, attention_inputs, attention_ref, layer_norm_ref, rel_err
+from tests.unit.kernels.reference import (TOL, attention_inputs, attention_ref, dtype_id, layer_norm_ref,
+                                          record_errors, rel_err, within)
 
 EPS = 1e-5
 
@@ -86,8 +87,8 @@ ATTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", ATTN_CASES)
-def test_attention_forward_backward_match_float64(device, b, nq, nkv, s, d, causal, dtype):
+@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", ATTN_CASES, ids=dtype_id)
+def test_attention_forward_backward_match_float64(device, b, nq, nkv, s, d, causal, dtype, record_property):
     ext = _ext("attention")
     q, k, v, do = attention_inputs(b, nq, nkv, s, d, dtype, seed=s * 131 + d, device=device)
     scale = 1.0 / math.sqrt(d)
@@ -105,12 +106,13 @@ def test_attention_forward_backward_match_float64(device, b, nq, nkv, s, d, caus
     o_ref, lse_ref = attention_ref(q64, k64, v64, causal, scale)
     o_ref.backward(do.cpu().double())
     tol = TOL[dtype]
-    assert rel_err(o.cpu(), o_ref) <= tol
-    assert rel_err(lse.cpu(), lse_ref) <= 1e-5  # fp32 statistics whatever the input dtype
     floor = 0.1 * do.double().pow(2).mean().sqrt().item()  # see rel_err: a tenth of dO's RMS
-    assert rel_err(dq.cpu(), q64.grad, floor) <= tol
-    assert rel_err(dk.cpu(), k64.grad, floor) <= tol
-    assert rel_err(dv.cpu(), v64.grad, floor) <= tol
+    record_errors(record_property, within({
+        "o": (rel_err(o.cpu(), o_ref), tol),
+        "lse": (rel_err(lse.cpu(), lse_ref), 1e-5),  # fp32 statistics whatever the input dtype
+        "dq": (rel_err(dq.cpu(), q64.grad, floor), tol),
+        "dk": (rel_err(dk.cpu(), k64.grad, floor), tol),
+        "dv": (rel_err(dv.cpu(), v64.grad, floor), tol)}))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -152,9 +154,9 @@ NORM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("shape,rms,bias", NORM_CASES)
-def test_norm_forward_backward_match_float64(device, shape, rms, bias, dtype):
+def test_norm_forward_backward_match_float64(device, shape, rms, bias, dtype, record_property):
     ext = _ext("norm")
     g = torch.Generator().manual_seed(sum(shape))
     cols = shape[-1]
@@ -186,14 +188,15 @@ def test_norm_forward_backward_match_float64(device, shape, rms, bias, dtype):
     y_ref, mean_ref, rstd_ref = layer_norm_ref(x64, w64, b64, EPS, rms)
     y_ref.backward(dy.double())
     tol = TOL[dtype]
-    assert rel_err(y.cpu().reshape(shape), y_ref) <= tol
-    assert rel_err(rstd.cpu(), rstd_ref.detach().reshape(-1)) <= 1e-5  # fp32 statistics for every dtype
+    errors = {"y": (rel_err(y.cpu().reshape(shape), y_ref), tol),
+              "rstd": (rel_err(rstd.cpu(), rstd_ref.detach().reshape(-1)), 1e-5)}  # fp32 statistics for every dtype
     if not rms:
-        assert rel_err(mean.cpu(), mean_ref.detach().reshape(-1)) <= 1e-5
-    assert rel_err(dx.cpu().reshape(shape), x64.grad) <= tol
-    assert rel_err(dw.cpu(), w64.grad) <= tol
+        errors["mean"] = (rel_err(mean.cpu(), mean_ref.detach().reshape(-1)), 1e-5)
+    errors["dx"] = (rel_err(dx.cpu().reshape(shape), x64.grad), tol)
+    errors["dw"] = (rel_err(dw.cpu(), w64.grad), tol)
     if bias:
-        assert rel_err(db.cpu(), b64.grad) <= tol
+        errors["db"] = (rel_err(db.cpu(), b64.grad), tol)
+    record_errors(record_property, within(errors))
 
 
 # ---- a GPT trained with the HIP kernels ----------------------------------------------------------------

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.unit.kernels.reference import check_attention, check_norm, nan_alloc
+from tests.unit.kernels.reference import check_attention, check_norm, dtype_id, nan_alloc, record_errors
 from tests.unit.kernels.test_triton_attention import CASES as INTERPRETER_ATTENTION_CASES
 from tests.unit.kernels.test_triton_norms import CASES as INTERPRETER_NORM_CASES
 from tests.unit.kernels.test_triton_norms import EPS
@@ -57,24 +57,26 @@ def _gpu_attention_cases() -> list[tuple]:
     return cases
 
 
-@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", INTERPRETER_ATTENTION_CASES + _gpu_attention_cases())
-def test_attention_matches_float64(ta, b, nq, nkv, s, d, causal, dtype):
-    check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d, device=_device())
+@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", INTERPRETER_ATTENTION_CASES + _gpu_attention_cases(),
+                         ids=dtype_id)
+def test_attention_matches_float64(ta, b, nq, nkv, s, d, causal, dtype, record_property):
+    errors = check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d, device=_device())
+    record_errors(record_property, errors)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("shape,rms,bias", INTERPRETER_NORM_CASES + [
     ((4096, 2048), False, True),   # GPT-2-like rows
     ((2, 2048, 4096), True, False),  # Llama-7B hidden
     ((1024, 6144), False, True),   # GPT-22B hidden: wide row path on some devices
     ((257, 12288), True, False),   # GPT-175B hidden: the column-split backward
 ])
-def test_norms_match_float64(tn, shape, rms, bias, dtype):
+def test_norms_match_float64(tn, shape, rms, bias, dtype, record_property):
     reason = tn.unsupported_reason(torch.empty(0, shape[-1], dtype=dtype), torch.empty(shape[-1], dtype=dtype),
                                    torch.empty(shape[-1], dtype=dtype) if bias else None)
     if reason is not None:
         pytest.skip(f"the Triton norm does not take these inputs ({reason}); the torch path runs them")
-    check_norm(tn, shape, rms, bias, dtype, EPS, device=_device())
+    record_errors(record_property, check_norm(tn, shape, rms, bias, dtype, EPS, device=_device()))
 
 
 def test_seam_runs_triton_and_matches_torch():

@@ -20,6 +20,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, floor_rms: float = 0.0) -> flo
     return ((out.double() - ref).norm() / denom).item()
 
 
+def dtype_id(value) -> str | None:
+    """pytest id of a parameter: a dtype by its name (so ``-k bfloat16`` selects its cases), else pytest's own."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def record_errors(record_property, errors: dict[str, tuple[float, float]]) -> None:
+    """The worst error / tolerance of a check into the JUnit report (``err_over_tol``; tests/gpu/quick reads it)."""
+    record_property("err_over_tol", f"{max(err / tol for err, tol in errors.values()):.3g}")
+
+
 def nan_alloc(shape, dtype, device) -> torch.Tensor:
     """Stand-in for a kernel module's _alloc: every output starts as NaN, so an unwritten element shows."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -64,9 +74,16 @@ def attention_inputs(b, nq, nkv, s, d, dtype, seed, device="cpu"):
     return tuple(t.to(device) for t in (q, k, v, do))
 
 
-def check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed, device="cpu") -> None:
+def within(errors: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Assert every (error, tolerance) of ``errors`` (output name -> pair) holds; return them for the record."""
+    for name, (err, tol) in errors.items():
+        assert err <= tol, f"{name}: relative error {err:.3e} > tolerance {tol:.0e}"
+    return errors
+
+
+def check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed, device="cpu") -> dict[str, tuple[float, float]]:
     """Forward (o, lse) and backward (dq, dk, dv) of ``ta`` (megatron.kernels.triton_attention, its _alloc
-    poisoned with nan_alloc) against the float64 reference, within TOL[dtype]."""
+    poisoned with nan_alloc) against the float64 reference, within TOL[dtype]; output -> (error, tolerance)."""
     import math
 
     q, k, v, do = attention_inputs(b, nq, nkv, s, d, dtype, seed, device)
@@ -81,16 +98,17 @@ def check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed, device="cpu") -> 
     o_ref, lse_ref = attention_ref(q64, k64, v64, causal, scale)
     o_ref.backward(do.double())
     tol = TOL[dtype]
-    assert rel_err(o, o_ref) <= tol
-    assert rel_err(lse, lse_ref) <= 1e-5  # fp32 statistics whatever the input dtype
     floor = 0.1 * do.double().pow(2).mean().sqrt().item()  # see rel_err: a tenth of dO's RMS
-    assert rel_err(dq, q64.grad, floor) <= tol
-    assert rel_err(dk, k64.grad, floor) <= tol
-    assert rel_err(dv, v64.grad, floor) <= tol
+    return within({"o": (rel_err(o, o_ref), tol),
+                    "lse": (rel_err(lse, lse_ref), 1e-5),  # fp32 statistics whatever the input dtype
+                    "dq": (rel_err(dq, q64.grad, floor), tol),
+                    "dk": (rel_err(dk, k64.grad, floor), tol),
+                    "dv": (rel_err(dv, v64.grad, floor), tol)})
 
 
-def check_norm(tn, shape, rms, bias, dtype, eps, device="cpu") -> None:
-    """norm_forward / norm_backward of ``tn`` (megatron.kernels.triton_norms, _alloc poisoned) against float64."""
+def check_norm(tn, shape, rms, bias, dtype, eps, device="cpu") -> dict[str, tuple[float, float]]:
+    """norm_forward / norm_backward of ``tn`` (megatron.kernels.triton_norms, _alloc poisoned) against float64;
+    output -> (error, tolerance)."""
     g = torch.Generator().manual_seed(sum(shape))
     cols = shape[-1]
     # An offset mean (5) next to unit spread: catches a variance computed as E[x^2] - E[x]^2.
@@ -110,11 +128,12 @@ def check_norm(tn, shape, rms, bias, dtype, eps, device="cpu") -> None:
     y_ref, mean_ref, rstd_ref = layer_norm_ref(x64, w64, b64, eps, rms)
     y_ref.backward(dy.double())
     tol = TOL[dtype]
-    assert rel_err(y, y_ref) <= tol
-    assert rel_err(rstd, rstd_ref.detach().reshape(-1)) <= 1e-5  # fp32 statistics for every dtype
+    errors = {"y": (rel_err(y, y_ref), tol),
+              "rstd": (rel_err(rstd, rstd_ref.detach().reshape(-1)), 1e-5)}  # fp32 statistics for every dtype
     if not rms:
-        assert rel_err(mean, mean_ref.detach().reshape(-1)) <= 1e-5
-    assert rel_err(dx, x64.grad) <= tol
-    assert rel_err(dw, w64.grad) <= tol
+        errors["mean"] = (rel_err(mean, mean_ref.detach().reshape(-1)), 1e-5)
+    errors["dx"] = (rel_err(dx, x64.grad), tol)
+    errors["dw"] = (rel_err(dw, w64.grad), tol)
     if bias:
-        assert rel_err(db, b64.grad) <= tol
+        errors["db"] = (rel_err(db, b64.grad), tol)
+    return within(errors)

@@ -24,7 +24,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.unit.kernels.reference import TOL, attention_ref, layer_norm_ref, rel_err
+from tests.unit.kernels.reference import TOL, attention_ref, dtype_id, layer_norm_ref, record_errors, rel_err, within
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SOURCES = ["csrc/flash_attention/flash_attn_fwd.hip", "csrc/flash_attention/flash_attn_bwd.hip",
@@ -119,8 +119,8 @@ ATTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype,reverse", ATTN_CASES)
-def test_attention_emulated_matches_float64(emu, b, nq, nkv, s, d, causal, dtype, reverse):
+@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype,reverse", ATTN_CASES, ids=dtype_id)
+def test_attention_emulated_matches_float64(emu, b, nq, nkv, s, d, causal, dtype, reverse, record_property):
     q, k, v, do = _attn_inputs(b, nq, nkv, s, d, dtype, seed=s * 7 + d)
     scale = 1.0 / math.sqrt(d)
     bf16 = int(dtype == torch.bfloat16)
@@ -144,13 +144,14 @@ def test_attention_emulated_matches_float64(emu, b, nq, nkv, s, d, causal, dtype
     o_ref, lse_ref = attention_ref(q64, k64, v64, causal, scale)
     o_ref.backward(do.double())
     tol = TOL[dtype]
-    assert rel_err(go.t, o_ref) <= tol
-    assert rel_err(glse.t, lse_ref) <= 1e-5
-    assert rel_err(gdelta.t, (do.double() * go.t.double()).sum(-1)) <= 1e-5  # rowsum(dO * O) of the stored O
     floor = 0.1 * do.double().pow(2).mean().sqrt().item()
-    assert rel_err(gdq.t, q64.grad, floor) <= tol
-    assert rel_err(gdk.t, k64.grad, floor) <= tol
-    assert rel_err(gdv.t, v64.grad, floor) <= tol
+    record_errors(record_property, within({
+        "o": (rel_err(go.t, o_ref), tol),
+        "lse": (rel_err(glse.t, lse_ref), 1e-5),
+        "delta": (rel_err(gdelta.t, (do.double() * go.t.double()).sum(-1)), 1e-5),  # rowsum(dO * O) of the stored O
+        "dq": (rel_err(gdq.t, q64.grad, floor), tol),
+        "dk": (rel_err(gdk.t, k64.grad, floor), tol),
+        "dv": (rel_err(gdv.t, v64.grad, floor), tol)}))
 
 
 # (rows, cols, rms, bias, dtype, reverse): a row shorter than a wave, ragged columns, more rows than the
@@ -164,8 +165,8 @@ NORM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("rows,cols,rms,bias,dtype,reverse", NORM_CASES)
-def test_norm_emulated_matches_float64(emu, rows, cols, rms, bias, dtype, reverse):
+@pytest.mark.parametrize("rows,cols,rms,bias,dtype,reverse", NORM_CASES, ids=dtype_id)
+def test_norm_emulated_matches_float64(emu, rows, cols, rms, bias, dtype, reverse, record_property):
     g = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=g) * 2 + 5).to(dtype)  # offset mean: catches E[x^2] - E[x]^2
     w = (1 + 0.5 * torch.randn(cols, generator=g)).to(dtype)
@@ -199,11 +200,11 @@ def test_norm_emulated_matches_float64(emu, rows, cols, rms, bias, dtype, revers
     y_ref, mean_ref, rstd_ref = layer_norm_ref(x64, w64, b64, EPS, rms)
     y_ref.backward(dy.double())
     tol = TOL[dtype]
-    assert rel_err(gy.t, y_ref) <= tol
-    assert rel_err(grstd.t, rstd_ref.detach()) <= 1e-5
+    errors = {"y": (rel_err(gy.t, y_ref), tol), "rstd": (rel_err(grstd.t, rstd_ref.detach()), 1e-5)}
     if not rms:
-        assert rel_err(gmean.t, mean_ref.detach()) <= 1e-5
-    assert rel_err(gdx.t, x64.grad) <= tol
-    assert rel_err(gdw.t, w64.grad) <= tol
+        errors["mean"] = (rel_err(gmean.t, mean_ref.detach()), 1e-5)
+    errors["dx"] = (rel_err(gdx.t, x64.grad), tol)
+    errors["dw"] = (rel_err(gdw.t, w64.grad), tol)
     if bias:
-        assert rel_err(gdb.t, b64.grad) <= tol
+        errors["db"] = (rel_err(gdb.t, b64.grad), tol)
+    record_errors(record_property, within(errors))

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from tests.unit.kernels.reference import attention_inputs, attention_ref, check_attention, nan_alloc, rel_err
+from tests.unit.kernels.reference import (attention_inputs, attention_ref, check_attention, dtype_id, nan_alloc,
+                                          record_errors, rel_err)
 
 
 @pytest.fixture
@@ -43,9 +44,10 @@ def _inputs(b, nq, nkv, s, d, dtype, seed):
     return attention_inputs(b, nq, nkv, s, d, dtype, seed)
 
 
-@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", CASES)
-def test_forward_backward_match_float64(ta, b, nq, nkv, s, d, causal, dtype):
-    check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d)  # shared with tests/gpu
+@pytest.mark.parametrize("b,nq,nkv,s,d,causal,dtype", CASES, ids=dtype_id)
+def test_forward_backward_match_float64(ta, b, nq, nkv, s, d, causal, dtype, record_property):
+    errors = check_attention(ta, b, nq, nkv, s, d, causal, dtype, seed=s * 131 + d)  # shared with tests/gpu
+    record_errors(record_property, errors)
 
 
 @pytest.mark.parametrize("causal", [False, True])

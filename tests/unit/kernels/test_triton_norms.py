@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from tests.unit.kernels.reference import check_norm, layer_norm_ref, nan_alloc, rel_err
+from tests.unit.kernels.reference import check_norm, dtype_id, layer_norm_ref, nan_alloc, record_errors, rel_err
 
 EPS = 1e-5
 
@@ -29,10 +29,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("shape,rms,bias", CASES)
-def test_forward_backward_match_float64(tn, shape, rms, bias, dtype):
-    check_norm(tn, shape, rms, bias, dtype, EPS)  # shared with tests/gpu
+def test_forward_backward_match_float64(tn, shape, rms, bias, dtype, record_property):
+    record_errors(record_property, check_norm(tn, shape, rms, bias, dtype, EPS))  # shared with tests/gpu
 
 
 def test_autograd_functions(tn):
