@@ -10,7 +10,7 @@ import os
 import torch
 
 from megatron.checkpointing.safe_io import safe_load
-from megatron.checkpointing.upstream import universal
+from megatron.checkpointing.upstream import universal as universal_form
 from megatron.checkpointing.upstream.layout import (
     ITER_RANK,
     LAYER_FILE,
@@ -25,10 +25,10 @@ from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
 
 
-def find(load: str, universal_checkpoint: bool = False) -> Found | None:
+def find(load: str, universal: bool = False) -> Found | None:
     """The upstream checkpoint ``--load`` names, or None when the directory is not one (ours, empty, unknown).
-    ``universal_checkpoint`` (--universal-checkpoint): the one ``latest_universal`` names, as upstream loads it."""
-    return universal.find(load) if universal_checkpoint else find_marked(load)
+    ``universal`` (--universal-checkpoint): the one ``latest_universal`` names, as upstream loads it."""
+    return universal_form.find(load) if universal else find_marked(load)
 
 
 def read(found: Found, trust: bool, with_optimizer: bool = True) -> Converted:
@@ -36,7 +36,7 @@ def read(found: Found, trust: bool, with_optimizer: bool = True) -> Converted:
     if found.kind == "deepspeed":
         return _read_deepspeed(found, trust, with_optimizer)
     if found.kind == "universal":
-        return universal.read(found, trust, with_optimizer)
+        return universal_form.read(found, trust, with_optimizer)
     return _read_megatron(found, trust)
 
 
