@@ -30,6 +30,7 @@ from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.evaluate import Evaluation, dp_mean
+from megatron.training.layout_report import model_features
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
 from megatron.training.profiler import StepProfiler, profile_window
@@ -108,6 +109,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
+        print_rank0(model_features(model), rank)
         full = load_full_state(model, run, pstate, ckpt)  # a full-state --load goes in before ZeRO partitions
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
