@@ -37,8 +37,10 @@ def test_job_script_trains_as_written(name, compat_data, tmp_path, request):
     out = proc.stdout
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-2500:]}\n{out[-1500:]}"
 
-    assert expect.reported_layout(out) == expect.layout(opts, case.world, case.json), out[:3000]
-    assert expect.reported_features(out) == expect.features(opts), out[:3000]
+    for what, got, want in (("layout", expect.reported_layout(out), expect.layout(opts, case.world, case.json)),
+                            ("model features", expect.reported_features(out), expect.features(opts))):
+        assert got is not None, f"{name}: no {what} line at start-up:\n{out[:3000]}"
+        assert got == want, f"{name}: the run reports {what} {got}; the script asks for {want}"
 
     logged = losses(out)
     sizes = expect.batch_sizes(opts, case.world)
