@@ -1,9 +1,12 @@
 """The single-process reference every parallel layout is checked against: no DeepSpeed, no process group,
-torch AdamW + clip_grad_norm_ + our LR schedule, on the deterministic mock data."""
+torch AdamW + clip_grad_norm_ + our LR schedule, on the deterministic mock data; weight decay split by upstream's
+rule (tests/upstream_weight_decay.py), not by ours."""
 
 from __future__ import annotations
 
 import torch
+
+from tests.upstream_weight_decay import upstream_param_groups
 
 
 def reference_losses(run, steps: int, dataset_size: int = 4000, data_seed: int = 9) -> list[float]:
@@ -17,7 +20,6 @@ def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
     uniformly scaled gradient from the losses, the norm does not."""
     from megatron.core.parallel_state import single_process_state
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.optim.optimizer import param_groups
     from megatron.model.gpt_model import GPTModel
     from megatron.training.batches import microbatches
     from megatron.optim.lr_schedule import OptimizerParamScheduler
@@ -25,11 +27,11 @@ def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
 
     m, o, t = run.model, run.optimizer, run.training
     model = GPTModel(m, tp=single_process_state().tp, init_seed=t.seed)
+    groups = upstream_param_groups(model, o.weight_decay)
     if o.optimizer == "sgd":  # --optimizer sgd: torch's SGD, L2 weight decay per group, as upstream
-        opt = torch.optim.SGD(param_groups(model, o.weight_decay), lr=o.lr, momentum=o.sgd_momentum)
+        opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
     else:
-        opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                eps=o.adam_eps)
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     import dataclasses
 
     # Megatron-DeepSpeed's schedule over ``steps`` iterations: counted in samples, first update at position 0.

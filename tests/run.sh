@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README "Quick start"; .ci/run calls exactly this). Sets up .venv/ if needed, checks
-# that every HIP kernel compiles for gfx90a, then runs the whole pytest suite.
+# that every HIP kernel compiles for gfx90a, then runs the whole pytest suite; fails on a skip outside tests/gpu
+# whose reason is not on tests/skip_allowlist.txt.
 # Extra arguments go to pytest (e.g. `bash tests/run.sh -k zero`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +9,7 @@ cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-# shellcheck lints the Frontier scripts in tests/unit/test_launch_scripts.py (Debian package; root only).
+# The Frontier scripts are linted by shellcheck in tests/unit/test_launch_scripts.py (Debian package; root only).
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null) \
     || echo "warning: could not install shellcheck; its test will be skipped" >&2
@@ -26,13 +27,27 @@ if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
   bash csrc/check_hip_compile.sh
 fi
 
+# tests/skips.py records every skip; after pytest, a skip outside tests/gpu whose reason is not on
+# tests/skip_allowlist.txt fails the run, and the skips are printed grouped by reason.
+report="$(mktemp "${TMPDIR:-/tmp}/skips.XXXXXX.json")"
+trap 'rm -f "$report"' EXIT
 set +e
-"$PYTHON" -m pytest -q -p no:cacheprovider --durations=40 "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --skip-report "$report" --durations=40 "$@"
 rc=$?
 set -e
+skips_rc=0
+if [ -s "$report" ]; then
+  "$PYTHON" -m tests.skips "$report" tests/skip_allowlist.txt || skips_rc=$?
+else
+  echo "error: pytest wrote no skip report ($report)" >&2
+  skips_rc=1
+fi
 if [ "$rc" -eq 5 ]; then
   # pytest's "no tests collected": a suite that ran nothing must not pass.
   echo "error: pytest collected no tests (exit code 5); check the test paths and -k/-m filters" >&2
   exit 1
 fi
-exit "$rc"
+if [ "$rc" -ne 0 ]; then
+  exit "$rc"
+fi
+exit "$skips_rc"

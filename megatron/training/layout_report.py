@@ -1,10 +1,19 @@
-"""Start-up layout report (rank 0): rank groups, what each pipeline stage holds, its parameters and memory."""
+"""Start-up layout report (rank 0): rank groups, what each pipeline stage holds, its parameters and memory; and
+the features of the model as built."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from megatron.config import RunConfig
 from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.model.attention import SelfAttention
+from megatron.model.embedding import Embedding
+from megatron.model.gpt_model import OutputLayer
 from megatron.model.gpt_model_pipe import partition, spec_parameters, stage_contents
+from megatron.model.mlp import MLP
+from megatron.model.norms import Norm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_stage_memory
 from megatron.topology import GCDS_PER_NODE, frontier_placement, group_reports
@@ -68,3 +77,34 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
                      f"est. memory {_size(est.total)} (model states {_size(est.model_states)}, "
                      f"activations {_size(acts)}, buffers and framework {_size(est.total - est.model_states - acts)})")
     return "\n".join(lines)
+
+
+def _of(model: nn.Module, kind: type) -> list:
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def model_features(model: nn.Module) -> str:
+    """One line: what the built module computes (under PP, this rank's stage), read from its submodules rather than
+    from the config that built them: norm, MLP activation, positions, attention heads, output layer, linear biases."""
+    parts = ["/".join(sorted({m.kind for m in _of(model, Norm)})) or "no norm"]
+    mlps = _of(model, MLP)
+    if mlps:
+        parts.append("swiglu MLP" if all(m.swiglu for m in mlps) else "gelu MLP")
+    attention = _of(model, SelfAttention)
+    if attention:
+        a = attention[0]
+        if a.cfg.position_embedding_type == "rope":
+            parts.append(f"rotary positions ({a.cfg.rotary_dim} of {a.head_dim} dims per head)")
+        heads, kv_heads = a.heads * a.tp.size, a.kv_heads * a.tp.size
+        parts.append(f"{heads} query heads over {kv_heads} KV heads (GQA)" if kv_heads < heads
+                     else f"{heads} heads (MHA)")
+    if any(e.position_embeddings is not None for e in _of(model, Embedding)):
+        parts.append("learned positions")
+    outputs = _of(model, OutputLayer)
+    if not outputs:
+        parts.append("output layer on another stage")
+    else:  # a tied output layer has no weight of its own: it projects with the word embeddings
+        parts.append("tied output layer" if outputs[0].linear.weight is None else "untied output layer")
+    linears = _of(model, ColumnParallelLinear) + _of(model, RowParallelLinear)
+    parts.append("linear biases" if any(m.bias is not None for m in linears) else "no linear biases")
+    return "> model features: " + ", ".join(parts)

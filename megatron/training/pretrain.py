@@ -35,7 +35,7 @@ from megatron.preflight.layout import check_layout
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.evaluate import Evaluation, dp_mean
-from megatron.training.layout_report import layout_report
+from megatron.training.layout_report import layout_report, model_features
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
@@ -96,6 +96,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
         print_rank0(f"> built {type(model).__name__}: {run.model.num_layers} layers, "
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
+        print_rank0(model_features(model), rank)
         full = load_full_state(model, run, pstate, run.checkpoint)  # a full-state --load goes in before ZeRO
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "

@@ -18,7 +18,8 @@ from tests.launcher import free_port
 # differ in the last bits. Comparisons pin the fixed preference; the default-backend test measures on purpose.
 STATIC_KERNELS = {"MEGATRON_KERNEL_SELECT": "static"}
 BF16_REL = 3e-2
-"""Relative loss tolerance between a bf16/fp16 run and its reference after ITERS steps (8-bit mantissa)."""
+"""Relative loss tolerance between a bf16/fp16 run and an fp32 reference after ITERS steps (8-bit mantissa); runs of
+one dtype are compared over the whole trajectory instead (assert_same_trajectory)."""
 ITERS = 30
 # TINY at lr 1e-3 moves the loss by 1% in 10 steps; at 5e-3 over 30 steps it falls 6.26 -> 5.47 (fp32, CPU),
 # smoothly (2e-2 overshoots first), so "it learned" and "it agrees" are both meaningful.
@@ -57,13 +58,37 @@ def train(extra: list[str], nproc: int = 1, env: dict | None = None) -> dict[int
     return _run(nproc, tuple(device_args(TINY) + SCHEDULE + extra), tuple(sorted(env.items())))
 
 
+def _logged_and_learned(losses_: dict[int, float], who: str, at: int) -> None:
+    assert sorted(losses_) == list(range(1, at + 1)), f"{who}: logged iterations {sorted(losses_)}"
+    assert losses_[at] < 0.95 * losses_[1], f"{who} did not learn: {losses_}"
+
+
 def assert_trains_like(got: dict[int, float], ref: dict[int, float], rel: float, name: str, at: int = ITERS) -> None:
     """``got`` logged every iteration up to ``at``, learned (its loss fell by 5%), and is within ``rel`` of ``ref``
     at iteration ``at``; the reference must have learned too, or agreement would prove little."""
     for losses_, who in ((got, name), (ref, "reference")):
-        assert sorted(losses_) == list(range(1, at + 1)), f"{who}: logged iterations {sorted(losses_)}"
-        assert losses_[at] < 0.95 * losses_[1], f"{who} did not learn: {losses_}"
+        _logged_and_learned(losses_, who, at)
     assert abs(got[at] - ref[at]) <= rel * abs(ref[at]), f"{name}: loss {got[at]} vs reference {ref[at]} at {at}"
+
+
+TRAJECTORY_FRACTION = 0.5
+"""Two runs of one model in the same dtype (bf16 layouts) agree at every iteration within this fraction of the
+reference's mean loss drop per iteration: 0.014 for SCHEDULE (6.26 -> 5.45 over 30 steps). Measured on CPU (bf16,
+TINY, SCHEDULE, gloo): TP=2, TP=2 SP, PP=2, DP=2 ZeRO-1 and ZeRO-3 differ from one process by at most 0.0022 at any
+iteration; a run one update behind differs by 0.07 on average, a constant 0.02 off fails too."""
+
+
+def assert_same_trajectory(got: dict[int, float], ref: dict[int, float], name: str,
+                           fraction: float = TRAJECTORY_FRACTION, at: int = ITERS) -> None:
+    """Both logged every iteration up to ``at`` and learned; at every iteration ``got`` is within ``fraction`` of
+    the reference's mean per-iteration loss drop of it (a tolerance from the run itself, not a fixed percentage)."""
+    for losses_, who in ((got, name), (ref, "reference")):
+        _logged_and_learned(losses_, who, at)
+    tol = fraction * (ref[1] - ref[at]) / (at - 1)
+    worst = max(range(1, at + 1), key=lambda i: abs(got[i] - ref[i]))
+    assert abs(got[worst] - ref[worst]) <= tol, (
+        f"{name}: loss {got[worst]} vs reference {ref[worst]} at iteration {worst}, more than {tol:.4f} apart "
+        f"({fraction} of the reference's mean drop per iteration)")
 
 
 def gpu_env() -> dict:

@@ -1,11 +1,12 @@
 """Two GPUs (torchrun, one process per device, NCCL/RCCL): every parallel layout against the 1-GPU run of the same
-model, data and initial weights (bf16, ZeRO-1 unless the layout needs otherwise), within bf16 tolerance."""
+model, data and initial weights (bf16, ZeRO-1 unless the layout needs otherwise): the same loss at every iteration,
+within half the reference's mean loss drop per iteration (tests/gpu/helpers.py assert_same_trajectory)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.gpu.helpers import BF16_REL, assert_trains_like, train
+from tests.gpu.helpers import assert_same_trajectory, train
 
 BF16 = ["--bf16"]
 
@@ -23,4 +24,4 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_two_gpu_layout_matches_one_gpu(name):
     ref = train(BF16 + ["--zero-stage", "1"])
-    assert_trains_like(train(BF16 + LAYOUTS[name], nproc=2), ref, BF16_REL, name)
+    assert_same_trajectory(train(BF16 + LAYOUTS[name], nproc=2), ref, name)

@@ -6,15 +6,17 @@ from types import SimpleNamespace
 from itertools import pairwise
 
 import pytest
+import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
-from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups
+from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups, single_process_state
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
+from megatron.model.gpt_model import GPTModel
 from megatron.model.gpt_model_pipe import check_topology, partition, spec_kinds, stage_contents
 from megatron.config.sizes import named_model
-from megatron.training.layout_report import layout_report
+from megatron.training.layout_report import layout_report, model_features
 
 
 def _state(world, tp, pp, rank=0) -> ParallelState:
@@ -113,3 +115,16 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
             "--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--no-pipeline-parallel"]
     with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
         pretrain_from_flags(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))
+
+
+
+@pytest.mark.parametrize("size,overrides,want", [
+    ("debug", {}, "layernorm, gelu MLP, 4 heads (MHA), learned positions, tied output layer, linear biases"),
+    ("debug-llama", {"rotary_percent": 0.25}, "rmsnorm, swiglu MLP, rotary positions (4 of 16 dims per head), "
+     "4 query heads over 2 KV heads (GQA), untied output layer, no linear biases"),
+])
+def test_model_features_line_reads_the_built_modules(size, overrides, want):
+    model = GPTModel(named_model(size, use_cpu_initialization=True, **overrides), tp=single_process_state().tp)
+    assert model_features(model) == "> model features: " + want
+    model.output_layer = torch.nn.Identity()  # what a first pipeline stage holds: no output layer
+    assert "output layer on another stage" in model_features(model)

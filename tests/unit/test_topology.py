@@ -156,11 +156,11 @@ def test_single_process_default():
     assert (info.rank, info.world_size, info.source, info.master_addr) == (0, 1, "single", "127.0.0.1")
 
 
-@pytest.mark.skipif(shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-                    is None, reason="mpirun not installed (pip install mpich mpi4py)")
 def test_real_mpirun_discovery_via_mpi4py(tmp_path):
-    pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install mpich mpi4py)")
+    pytest.importorskip("mpi4py")
     # Each rank writes its own file: two ranks printing to one pipe interleave their lines.
     code = ("from megatron.topology import discover_ranks; i = discover_ranks(); assert discover_ranks() == i; "
             "open(f'rank{i.rank}.txt', 'w').write(' '.join(map(str, (i.rank, i.world_size, i.local_rank, "

@@ -1,6 +1,7 @@
 """SentencePiece tokenizers (GPTSentencePieceTokenizer, Llama2Tokenizer, SentencePieceTokenizer) on a model trained
-here by tools/train_tokenizer.py, against sentencepiece itself, upstream's own classes, preprocess_data and a
-2-iteration training run; and upstream's default --tokenizer-type GPT2BPETokenizer."""
+here by tools/train_tokenizer.py, against sentencepiece itself, preprocess_data and a 2-iteration training run; against
+upstream's own classes on the model of tests/fixtures/upstream_tokenizer; and upstream's default --tokenizer-type
+GPT2BPETokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -23,20 +23,8 @@ spm = pytest.importorskip("sentencepiece")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _upstream_tokenizer_dir() -> str:
-    """build/upstream (shared/upstream/README.md) of this checkout, or of the main checkout when this is a worktree."""
-    roots = [REPO]
-    try:
-        common = subprocess.run(["git", "rev-parse", "--git-common-dir"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        roots.append(os.path.dirname(os.path.abspath(os.path.join(REPO, common))))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    dirs = [os.path.join(r, "build", "upstream", "megatron", "tokenizer") for r in roots]
-    return next((d for d in dirs if os.path.isdir(d)), dirs[0])
-
-
-UPSTREAM_TOKENIZER = _upstream_tokenizer_dir()
+# A SentencePiece model and what upstream's own tokenizer classes make of some texts with it (README.md there).
+UPSTREAM_FIXTURE = os.path.join(REPO, "tests", "fixtures", "upstream_tokenizer")
 TEXTS = ["Frontier trains a GPT on 9408 nodes.", "hello <EOD> world </s> and <s>", "", "  spaces   kept  ",
          "<MASK><CLS>"]
 
@@ -77,30 +65,16 @@ def test_sentencepiece_tokenizer_adds_upstreams_special_tokens(sp_model):
     assert tok.tokenize("a<EOD>b</s>") == sp.encode("a") + [n + 2] + sp.encode("b") + [2]
 
 
-def _upstream_module(monkeypatch):
-    """Upstream's megatron/tokenizer as a package of its own name (its BERT module imports six, for Python 2)."""
-    if not os.path.isdir(UPSTREAM_TOKENIZER):
-        pytest.skip("upstream Megatron-DeepSpeed is not prepared under build/upstream")
-    try:
-        import six  # noqa: F401
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "six", types.ModuleType("six"))
-    spec = importlib.util.spec_from_file_location("upstream_tokenizer", os.path.join(UPSTREAM_TOKENIZER, "__init__.py"),
-                                                  submodule_search_locations=[UPSTREAM_TOKENIZER])
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "upstream_tokenizer", mod)
-    spec.loader.exec_module(mod)
-    return sys.modules["upstream_tokenizer.tokenizer"]
-
-
 @pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer"])
-def test_same_as_upstream(kind, sp_model, monkeypatch):
-    up = getattr(_upstream_module(monkeypatch), f"_{kind}")(sp_model)
-    ours = build_tokenizer(kind, tokenizer_model=sp_model)
-    assert (ours.vocab_size, ours.eod, ours.bos, ours.pad) == (up.vocab_size, up.eod, up.bos, up.pad)
-    for text in TEXTS:
-        ids = ours.tokenize(text)
-        assert ids == up.tokenize(text) and ours.detokenize(ids) == up.detokenize(ids)
+def test_same_as_upstream(kind):
+    with open(os.path.join(UPSTREAM_FIXTURE, "upstream_tokenizers.json"), encoding="utf-8") as f:
+        fixture = json.load(f)
+    up = fixture[kind]
+    ours = build_tokenizer(kind, tokenizer_model=os.path.join(UPSTREAM_FIXTURE, "tokenizer.model"))
+    assert (ours.vocab_size, ours.eod, ours.bos, ours.pad) == (up["vocab_size"], up["eod"], up["bos"], up["pad"])
+    for text, ids, text_back in zip(fixture["texts"], up["ids"], up["detokenized"], strict=True):
+        assert ours.tokenize(text) == ids, text
+        assert ours.detokenize(ids) == text_back, text
 
 
 def test_one_line_errors(tmp_path, sp_model, corpus, load_tool):
