@@ -1,5 +1,5 @@
 """Upstream Megatron-DeepSpeed's weight-decay split, restated for tests (tests/reference.py and
-tests/unit/test_weight_decay_groups.py), so ours (megatron.engine.param_groups) is checked against it.
+tests/unit/test_weight_decay_groups.py), so ours (megatron.optim.optimizer.param_groups) is checked against it.
 
 Upstream (deepspeedai/Megatron-DeepSpeed megatron/optimizer/__init__.py, get_param_groups @ dd16deb): pretrain_gpt.py
 passes no ``no_weight_decay_cond``, so a parameter escapes decay when its name ends with ".bias" or it is 1-D (norm

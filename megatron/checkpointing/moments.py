@@ -98,7 +98,7 @@ def _zero12(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
 
 
 def _zero0(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
-    """ZeRO-0 fp32: torch AdamW's state in the model file, indexed in megatron/engine.py's param_groups order
+    """ZeRO-0 fp32: torch AdamW's state in the model file, indexed in megatron/optim/optimizer.py's param_groups order
     (weights with 2+ dims first, then 1-D ones, each in the module's order)."""
     per_tp: list[Moments] = []
     step = 0

@@ -1,14 +1,14 @@
 """Which parameters escape weight decay, GPT-2 and Llama variants: upstream's answer written out as data (from
-get_param_groups' rule, tests/upstream_weight_decay.py), checked against ours (megatron.engine.param_groups)."""
+get_param_groups' rule, tests/upstream_weight_decay.py), checked against ours (megatron.optim.optimizer.param_groups)."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron.core.parallel_state import single_process_state
-from megatron.engine import param_groups
+from megatron.optim.optimizer import param_groups
 from megatron.model.gpt_model import GPTModel
-from megatron.model.sizes import named_model
+from megatron.config.sizes import named_model
 from tests.upstream_weight_decay import upstream_no_decay, upstream_param_groups
 
 _LAYER = "layers.{i}."
