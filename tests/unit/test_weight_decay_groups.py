@@ -1,5 +1,6 @@
 """Which parameters escape weight decay, GPT-2 and Llama variants: upstream's answer written out as data (from
-get_param_groups' rule, tests/upstream_weight_decay.py), checked against ours (megatron.optim.optimizer.param_groups)."""
+get_param_groups' rule, tests/upstream_weight_decay.py), checked against ours
+(megatron.optim.optimizer.param_groups)."""
 
 from __future__ import annotations
 
