@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,10 @@ from megatron.preflight.layout import check_layout
 from megatron.rendezvous import check_flags as check_rendezvous_flags
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
+from megatron.training.deadline import DeadlineSettings, start_deadline
 from megatron.training.evaluate import Evaluation, dp_mean
+from megatron.training.failure_record import DEVICE_ERROR, FailureLog, device_error, this_host
+from megatron.training.finished import write_finished
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
 from megatron.training.profiler import StepProfiler, profile_window
@@ -98,6 +102,7 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
     watchdog = None
+    failures = FailureLog.in_folder(ckpt.save)  # lost ranks and device errors, for the next job's node choice
     try:
         if rank == 0:
             from megatron.training.layout_report import layout_report
@@ -113,9 +118,11 @@ def pretrain(argv, providers: Providers, extra_args=None) -> dict:
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         resume = load_checkpoint(engine, run, pstate, ckpt, full)
-        watchdog = start_watchdog(args.watchdog_timeout_secs)
+        watchdog = start_watchdog(args.watchdog_timeout_secs, failures)
         return _train(args, run, pstate, engine, providers, resume, ckpt, log_opts, eod)
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
+        if failures is not None and device_error(e):
+            failures.write(rank, this_host(), DEVICE_ERROR, str(e))
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
             watchdog.wait_for_verdict()  # a lost peer: let the watchdog name it in one line
@@ -182,9 +189,18 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
                             resume.iteration, logger, stream, plan)
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
+    deadline = start_deadline(DeadlineSettings.from_args(args), run, pstate.world_size, rank)
     control = RunControl(ckpt.save_interval, args.exit_interval, args.exit_duration_in_mins,
                          args.max_nonfinite_loss_iters, saving=bool(ckpt.save),
-                         kill_switch_file=getattr(args, "kill_switch_file", None), checks_files=rank == 0)
+                         kill_switch_file=getattr(args, "kill_switch_file", None), checks_files=rank == 0,
+                         deadline=deadline)
+
+    def save(it: int) -> None:
+        began = time.monotonic()
+        save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
+        if deadline is not None:  # the measure the deadline predicts the next save from (this job's and the next)
+            deadline.saved(time.monotonic() - began, it)
+
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     from deepspeed.accelerator import get_accelerator
 
@@ -196,6 +212,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         start, incr, ramp = t.rampup_batch_size
         print_rank0(f"> global batch size ramps from {start} to {gbs} by {incr} over {ramp} samples "
                     f"({t.train_iters} iterations in all)", rank)
+    if deadline is not None:
+        deadline.begin()  # the set-up above is no step
     for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
         if t.train_tokens is not None and consumed * seq >= t.train_tokens:
             it -= 1  # upstream's loop condition: stop once --train-tokens are consumed
@@ -247,13 +265,15 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
         evaluation.periodic(it, consumed, n_micro)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
-            save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)
+            save(it)
         if decision.exit:
             print_rank0(f"> exiting at iteration {it} after a checkpoint: {decision.reason}", rank)
             break
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
-        save_checkpoint(engine, it, consumed, args, run, pstate, ckpt)  # the end of training is always kept
+        save(it)  # the end of training is always kept
+    if ckpt.save and rank == 0 and not opts.skip_train and not (decision and decision.exit):
+        write_finished(ckpt.save, it, consumed)  # the batch scripts stop the job chain on it
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.
