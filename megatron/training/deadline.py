@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import subprocess
@@ -24,8 +23,8 @@ from dataclasses import dataclass
 
 from megatron.checkpointing.space import checkpoint_bytes
 from megatron.config import RunConfig
+from megatron.training.run_files import read_save_time, write_save_time
 
-SAVE_TIME_FILE = "save_time.json"
 MIN_MARGIN_S = 15.0
 STEP_WINDOW = 8
 """Step intervals kept; the largest is the next step's estimate (an evaluation or a slow step is not missed)."""
@@ -75,29 +74,6 @@ def squeue_end_time(job_id: str, timeout: float = 30.0) -> float | None:
         return datetime.datetime.strptime(out.splitlines()[0].strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
     except (ValueError, IndexError):  # "N/A", "Unknown", nothing
         return None
-
-
-def read_save_time(save_dir: str | None) -> dict | None:
-    """The last save measured in this run (any job): {"save_secs", "step_secs", "job", "iteration", "time"}."""
-    if not save_dir:
-        return None
-    try:
-        with open(os.path.join(save_dir, SAVE_TIME_FILE)) as f:
-            got = json.load(f)
-        return got if float(got["save_secs"]) >= 0 else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def write_save_time(save_dir: str, body: dict) -> None:
-    path = os.path.join(save_dir, SAVE_TIME_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(body, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a measure is advice: a full disk is reported by the next save, not here
 
 
 def bytes_per_writer(run: RunConfig, world_size: int, with_optimizer: bool) -> int:
@@ -255,9 +231,7 @@ class Deadline:
         self._last = self.clock()  # the save is not part of the next step's interval
         self.say(f"> checkpoint save took {secs:.1f} s (predicted {predicted:.1f} s)")
         if self.settings.save_dir:
-            write_save_time(self.settings.save_dir, {"save_secs": round(secs, 3), "job": self.settings.job_id,
-                                                     "iteration": iteration, "time": round(self.clock(), 3),
-                                                     "step_secs": round(self.step_mean or 0.0, 4) or None})
+            write_save_time(self.settings.save_dir, secs, self.settings.job_id, iteration, self.step_mean)
 
     def _warn_signal_lead(self) -> None:
         lead = self.settings.signal_lead_secs

@@ -33,7 +33,7 @@ from megatron.training.control import RunControl
 from megatron.training.deadline import DeadlineSettings, start_deadline
 from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.failure_record import DEVICE_ERROR, FailureLog, device_error, this_host
-from megatron.training.finished import write_finished
+from megatron.training.run_files import write_finished
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.log_options import LogOptions
 from megatron.training.profiler import StepProfiler, profile_window
