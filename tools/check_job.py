@@ -214,8 +214,8 @@ def problems(script: str, text: str, env: Mapping[str, str], save: str | None = 
         out.append("torchrun: launch with srun, one task per GCD (OLCF measured minutes of start-up under "
                    "torchrun, and it does not forward SIGUSR1)")
     for c in cmds:
-        if not re.search(r"\bsrun\b", c) or "pretrain_gpt.py" not in c:
-            continue
+        if not re.search(r"\bsrun\b", c) or "pretrain_gpt.py" not in c or "torchrun" in c:
+            continue  # (a torchrun line is reported above, once)
         words = c.split()
         if not ({"-c7", "--cpus-per-task=7"} & set(words) or re.search(r"(-c|--cpus-per-task)\s+7\b", c)):
             out.append("srun without -c7: each rank needs its 7 cores of the GCD's L3 region (srun -c7)")

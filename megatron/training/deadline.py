@@ -142,12 +142,13 @@ def predict_save(settings: DeadlineSettings, writer_bytes: int,
 class EndTime:
     """The job's end as rank 0 knows it: the environment's figure, refreshed by squeue in a daemon thread."""
 
-    def __init__(self, settings: DeadlineSettings, query: Callable[[str], float | None] = squeue_end_time) -> None:
-        self.job_id, self.every, self.query = settings.job_id, settings.reread_secs, query
+    def __init__(self, settings: DeadlineSettings, query: Callable[[str], float | None] | None = None) -> None:
+        self.job_id, self.every = settings.job_id, settings.reread_secs
+        self.query = query or squeue_end_time
         self.value = settings.end_time
         self.source = "SLURM_JOB_END_TIME"
         if self.value is None and self.job_id:
-            self.value, self.source = query(self.job_id), "squeue"
+            self.value, self.source = self.query(self.job_id), "squeue"
         self._stop = threading.Event()
         self._thread = None
         if self.value is not None and self.every > 0:
