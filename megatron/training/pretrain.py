@@ -272,7 +272,8 @@ def _train(args, run: RunConfig, pstate: ParallelState, engine, providers: Provi
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
         save(it)  # the end of training is always kept
-    if ckpt.save and rank == 0 and not opts.skip_train and not (decision and decision.exit):
+    reached_end = it >= t.train_iters or not (decision and decision.exit)  # (an exit may fall on the last step)
+    if ckpt.save and rank == 0 and not opts.skip_train and reached_end:
         write_finished(ckpt.save, it, consumed)  # the batch scripts stop the job chain on it
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint

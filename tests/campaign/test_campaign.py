@@ -28,7 +28,7 @@ import pytest
 from megatron.checkpointing import verify
 from tests.campaign.common import Place, iterations_logged, log_of
 
-ITERS = 40
+ITERS = 32
 SAVE_SLEEP = 8.0
 SIGNALS = {0: ("batch", signal.SIGUSR1), 1: (1, signal.SIGUSR1), 2: (1, signal.SIGTERM)}
 SIGNAL_AFTER = 3  # iterations of the job logged before its signal
@@ -50,8 +50,9 @@ def campaign(tmp_path_factory):
     assert start, log_of(straight_jobs[0])[-3000:]
     startup = 20 * 60 - int(start.group(2))  # job start -> first iteration done
     limit = 45 + max(0, math.ceil(1.5 * startup) - 15)
-    # A deadline job trains at most ~(limit - save - margin) seconds: at most 15 iterations at this step.
-    step_sleep = max(0.3, (limit - SAVE_SLEEP - 15) / 15)
+    # A deadline job trains ~(limit - start-up - save - margin) seconds; its start-up may be half the straight run's.
+    # At this step it does about 12 iterations at most: the ~20 left after the signalled jobs take 2-3 jobs.
+    step_sleep = max(0.3, (limit - SAVE_SLEEP - 15 - startup / 2) / 12)
 
     place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "runs" / "camp"),
                   TEST_STEP_SLEEP=f"{step_sleep:.2f}", TEST_SAVE_SLEEP=str(SAVE_SLEEP))
@@ -180,6 +181,6 @@ def test_a_job_on_a_finished_run_exits_at_once(campaign):
     again = place.sbatch("-t", _clock(campaign.limit))
     job, = place.run(max_jobs=1)
     assert job["id"] == again and job["rc"] == 0
-    assert "campaign: run smoke_1node is finished at iteration 40" in log_of(job)
+    assert f"campaign: run smoke_1node is finished at iteration {ITERS}" in log_of(job)
     assert not [c for c in place.calls("srun") + place.calls("sbatch") if c["from_job"] == again]
     assert os.path.exists(campaign.ckpt / "finished")
