@@ -90,6 +90,32 @@ class Place:
         return got
 
 
+def non_loopback_ip() -> str | None:
+    """An IPv4 address of this machine other than loopback: rank 0's address for a job of several fake nodes (the
+    rendezvous rightly refuses loopback when the job spans nodes, and the fake node names resolve to nothing)."""
+    import ipaddress
+    import socket
+
+    try:
+        words = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        words = []
+    for word in words:
+        try:
+            addr = ipaddress.ip_address(word)
+        except ValueError:
+            continue
+        if addr.version == 4 and not addr.is_loopback:
+            return word
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            addr = s.getsockname()[0]
+        return None if ipaddress.ip_address(addr).is_loopback else addr
+    except OSError:
+        return None
+
+
 def log_of(job: dict) -> str:
     return Path(job["log"]).read_text(errors="replace") if job.get("log") else ""
 
