@@ -138,16 +138,22 @@ campaign_end() {
     exit "$rc"
 }
 
-# Hosts with a hardware failure, or two failures of any kind, in the run's records: kept away from the successor.
+# Hosts with a hardware failure, or two failures of any kind, in the run's records: kept away from the successor
+# (and, through campaign.exclude, from every later one; deleting a host's records gives it another chance).
 campaign_exclude_failed_nodes() {
-    [[ -s $CKPT_DIR/failures.jsonl ]] || return 0
-    local found host why hosts="" named=""
-    found=$("${PYTHON:-python3}" "$MEGATRON_DIR/tools/campaign_nodes.py" "$CKPT_DIR/failures.jsonl") || return 0
-    [[ -n $found ]] || return 0
+    local found="" host why hosts="" named=""
+    if [[ -s $CKPT_DIR/failures.jsonl ]]; then
+        found=$("${PYTHON:-python3}" "$MEGATRON_DIR/tools/campaign_nodes.py" "$CKPT_DIR/failures.jsonl") || found=""
+    fi
     while IFS=$'\t' read -r host why; do
+        [[ -n $host ]] || continue
         hosts+=${hosts:+,}$host
         named+=${named:+; }"$host ($why)"
     done <<< "$found"
+    if [[ -z $hosts ]]; then
+        rm -f "$RUN_DIR/campaign.exclude"
+        return 0
+    fi
     printf '%s\n' "$hosts" > "$RUN_DIR/campaign.exclude"
     if [[ -n $CAMPAIGN_SUCCESSOR ]]; then
         if scontrol update "JobId=$CAMPAIGN_SUCCESSOR" "ExcNodeList=$hosts"; then
