@@ -253,6 +253,7 @@ def test_preprocess(fake_slurm, tmp_path):
     prefix = tmp_path / "out" / "corpus"
     proc, sruns, _, _ = fake_slurm("preprocess.sbatch", INPUT="/lustre/corpus.jsonl", OUTPUT_PREFIX=str(prefix))
     assert proc.returncode == 0, proc.stderr
+    assert "check_job:" not in proc.stderr
     argv = sruns[-1]["argv"]
     assert argv[1:8] == ["-N", "1", "-n", "1", "-c", "56", "--gpus-per-task=0"]
     assert argv[8:10] == [sys.executable, "tools/preprocess_data.py"]
@@ -267,6 +268,7 @@ def test_tune_layout_runs_only_feasible_layouts_and_ranks_them(fake_slurm, tmp_p
     proc, sruns, _, _ = fake_slurm("tune_layout.sbatch", TP_CHOICES="1 2 8", PP_CHOICES="1 8", MBS_CHOICES="1 2",
                                    FAKE_FAIL="2,8,2")
     assert proc.returncode == 0, proc.stderr
+    assert "check_job:" not in proc.stderr
     model = named_model("gpt-22b")
     feasible = []
     for tp in choices["tp"]:
