@@ -41,6 +41,7 @@ class Watchdog:
         self.failures = failures
         self.neighbour_host: str | None = None
         self.rank0_host: str | None = None
+        self._recorded = threading.Lock()  # both threads may notice a lost rank 0: one record
         self.interval = max(0.2, min(5.0, timeout / 6))
         self.host, self.port = host, port
         self._stop = threading.Event()
@@ -123,7 +124,7 @@ class Watchdog:
 
     def _record_rank0_lost(self, why: str) -> None:
         """Every survivor notices a lost rank 0; only its watcher in the ring (the last rank) records it."""
-        if self.failures is not None and self.rank == self.world - 1:
+        if self.failures is not None and self.rank == self.world - 1 and self._recorded.acquire(blocking=False):
             self.failures.write(0, self.rank0_host or "?", LOST_RANK, f"lost rank 0: {why}")
 
     def _guard(self) -> None:
