@@ -4,9 +4,11 @@ scripts' model (extra arguments of ``sbatch script ...`` go last on the trainer'
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,9 +95,6 @@ class Place:
 def non_loopback_ip() -> str | None:
     """An IPv4 address of this machine other than loopback: rank 0's address for a job of several fake nodes (the
     rendezvous rightly refuses loopback when the job spans nodes, and the fake node names resolve to nothing)."""
-    import ipaddress
-    import socket
-
     try:
         words = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):

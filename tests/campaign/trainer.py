@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def _hooks() -> None:
+    """Patch only what the environment asks for (imports here on purpose: torch loads only in a job that trains)."""
     step_sleep = float(os.environ.get("TEST_STEP_SLEEP") or 0)
     save_sleep = float(os.environ.get("TEST_SAVE_SLEEP") or 0)
     if step_sleep:
@@ -44,7 +45,7 @@ def _hooks() -> None:
 
 
 def main(argv: list[str]) -> None:
-    import pretrain_gpt
+    import pretrain_gpt  # here, after the repository went on sys.path
     from megatron.training.pretrain import Providers, pretrain
 
     summary = pretrain(argv, Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
