@@ -111,6 +111,7 @@ BOUNDS: dict[str, Bound] = {
     "keep_last_n_checkpoints": Bound(1, None),
     "exit_interval": Bound(1, ITERS),
     "exit_duration_in_mins": Bound(0, None, open="lo"),
+    "job_end_margin_secs": Bound(0, WEEK_S),
     "max_nonfinite_loss_iters": Bound(1, ITERS),
     "watchdog_timeout_secs": Bound(0, WEEK_S, {0: "disables the watchdog"}, open="lo"),
     # flags added with the upstream-compatibility work

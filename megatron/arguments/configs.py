@@ -164,6 +164,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
             master_addr=args.master_addr, master_port=args.master_port,
             rendezvous_timeout_secs=args.rendezvous_timeout_secs, allow_tp_across_nodes=args.allow_tp_across_nodes,
             exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+            job_end_margin_secs=args.job_end_margin_secs,
             kill_switch_file=args.kill_switch_file, max_nonfinite_loss_iters=args.max_nonfinite_loss_iters,
             watchdog_timeout_secs=args.watchdog_timeout_secs),
         deepspeed=DeepSpeedSettings(config=args.deepspeed_config, zero_stage_given=args.zero_stage is not None,

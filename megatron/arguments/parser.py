@@ -263,6 +263,10 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="save and exit once this file exists (checked after every iteration; present at start: "
                         "exit before training), as upstream")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")
+    g.add_argument("--job-end-margin-secs", type=float, default=None,
+                   help="under Slurm: save and exit once the next step, a checkpoint save and this margin no longer "
+                        "fit before the job's end (SLURM_JOB_END_TIME / squeue); default max(2 step times, 20%% of "
+                        "the predicted save, 15 s)")
     g.add_argument("--max-nonfinite-loss-iters", type=int, default=3,
                    help="stop after this many consecutive NaN/Inf-loss iterations (nothing is saved meanwhile)")
     g.add_argument("--watchdog-timeout-secs", type=float, default=60.0,

@@ -225,7 +225,9 @@ REFUSED_GROUPS: dict[str, str] = {
     "Knowledge distillation": "knowledge distillation is not built here: drop the distillation flags",
     "inference": "this is a pretraining entry point: drop the inference flags",
     "Transformer-Engine": "Transformer Engine / fp8 is not built here: drop the fp8 flags (use --bf16)",
-    "autoresume": "ADLR autoresume is not built here: use SIGUSR1 (#SBATCH --signal=USR1@300), which saves and exits",
+    "autoresume": "ADLR autoresume is not built here: under Slurm the run saves and exits 0 before the job's end by "
+                  "itself (--job-end-margin-secs), and examples/frontier's scripts submit the job that resumes it "
+                  "(docs/campaigns.md)",
 }
 
 

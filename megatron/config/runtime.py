@@ -20,6 +20,9 @@ class RuntimeConfig:
     allow_tp_across_nodes: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    job_end_margin_secs: float | None = None
+    """Under Slurm: kept free beyond the next step and a save before the job's end (megatron/training/deadline.py);
+    None: max(2 step times, 20% of the predicted save, 15 s)."""
     kill_switch_file: str | None = None
     max_nonfinite_loss_iters: int = 3
     watchdog_timeout_secs: float = 60.0
@@ -28,7 +31,7 @@ class RuntimeConfig:
     def validate(self) -> RuntimeConfig:
         check_fields(self, {f: "--" + f.replace("_", "-") for f in (
             "distributed_timeout_minutes", "master_port", "rendezvous_timeout_secs", "exit_interval",
-            "exit_duration_in_mins", "max_nonfinite_loss_iters", "watchdog_timeout_secs")})
+            "exit_duration_in_mins", "job_end_margin_secs", "max_nonfinite_loss_iters", "watchdog_timeout_secs")})
         if self.distributed_backend not in (None, "nccl", "gloo", "ccl", "mpi"):
             raise ConfigError(f"--distributed-backend {self.distributed_backend!r}: choose nccl, gloo, ccl or mpi")
         return self

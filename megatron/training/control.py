@@ -1,5 +1,6 @@
 """When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins, --kill-switch-file,
-SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``) and persistent non-finite losses.
+SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``), the Slurm job's end (megatron/training/deadline.py)
+and persistent non-finite losses.
 
 A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
 small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
@@ -18,6 +19,7 @@ import torch
 
 from megatron.core import comm
 from megatron.errors import TrainingError
+from megatron.training.deadline import Deadline
 from megatron.training.step import StepResult
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -33,14 +35,16 @@ class Decision:
 class RunControl:
     def __init__(self, save_interval: int | None, exit_interval: int | None, exit_duration_mins: float | None,
                  max_nonfinite: int, saving: bool, kill_switch_file: str | None = None,
-                 checks_files: bool = True) -> None:
+                 checks_files: bool = True, deadline: Deadline | None = None) -> None:
         """``checks_files``: this rank looks for ``kill_switch_file`` (rank 0 only: the MAX all-reduce tells the
-        others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre)."""
+        others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre).
+        ``deadline``: rank 0's judge of the job's end (None elsewhere); its verdict rides the same all-reduce."""
         self.save_interval, self.exit_interval = save_interval, exit_interval
         self.kill_switch_file = kill_switch_file if checks_files else None
         self._kill_switch_name = kill_switch_file
         self.exit_duration_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
         self.max_nonfinite, self.saving = max_nonfinite, saving
+        self.deadline = deadline
         self.start = time.monotonic()
         self.signal_received: int | None = None
         self.nonfinite_run = 0
@@ -55,6 +59,8 @@ class RunControl:
         self.signal_received = signum
 
     def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -63,8 +69,9 @@ class RunControl:
         """Collective over all ranks: ``decide(it, exchange(loss))``."""
         return self.decide(it, self.exchange(loss))
 
-    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool, bool]:
-        """Collective: (signal, timed out, non-finite loss, kill switch) on any rank, one small MAX all-reduce.
+    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool, bool, bool]:
+        """Collective: (signal, timed out, non-finite loss, kill switch, job end near) on any rank, one small MAX
+        all-reduce.
 
         ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
@@ -76,11 +83,12 @@ class RunControl:
         else:
             bad = float(not math.isfinite(value))
         killed = float(self.kill_switch_file is not None and os.path.exists(self.kill_switch_file))
-        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed],
+        ending = float(self.deadline is not None and self.deadline.should_stop())
+        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed, ending],
                                op=torch.distributed.ReduceOp.MAX, also=res.pending() if res is not None else ())
         if res is not None:
-            res.resolve(got[4:])
-        return bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3])
+            res.resolve(got[5:])
+        return bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3]), bool(got[4])
 
     def decide(self, it: int, flags: tuple[bool, ...]) -> Decision:
         """What every rank does after iteration ``it``, given ``exchange``'s agreed flags. Raises TrainingError
@@ -88,6 +96,7 @@ class RunControl:
         while the latest loss is non-finite."""
         got_signal, timed_out, nonfinite, *rest = flags
         killed = bool(rest and rest[0])
+        ending = len(rest) > 1 and bool(rest[1])
         if nonfinite:
             self.nonfinite_run += 1
             if self.nonfinite_run >= self.max_nonfinite:
@@ -99,6 +108,9 @@ class RunControl:
         self.nonfinite_run = 0
         if got_signal:
             return Decision(self.saving, True, "signal (SIGTERM/SIGUSR1)")
+        if ending:  # rank 0 knows the numbers; the others only that the job's end is near
+            why = self.deadline.reason if self.deadline is not None else "the Slurm job's end is near"
+            return Decision(self.saving, True, why)
         if timed_out:
             return Decision(self.saving, True, f"--exit-duration-in-mins {self.exit_duration_s / 60:g}")
         if killed:

@@ -15,6 +15,7 @@ line, exit 2, no hang.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,8 +35,11 @@ from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
+from megatron.training.deadline import DeadlineSettings, start_deadline
 from megatron.training.evaluate import Evaluation, dp_mean
+from megatron.training.failure_record import DEVICE_ERROR, FailureLog, device_error, this_host
 from megatron.training.layout_report import layout_report, model_features
+from megatron.training.run_files import write_finished
 from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
@@ -88,6 +92,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
     watchdog = None
+    failures = FailureLog.in_folder(run.checkpoint.save)  # lost ranks and device errors, for the next job's node choice
     try:
         if rank == 0:
             print(layout_report(run, pstate), flush=True)
@@ -102,9 +107,11 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
-        watchdog = start_watchdog(rt.watchdog_timeout_secs)
+        watchdog = start_watchdog(rt.watchdog_timeout_secs, failures)
         return _train(run, pstate, engine, providers, tokenizer, resume, eod)
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
+        if failures is not None and device_error(e):
+            failures.write(rank, this_host(), DEVICE_ERROR, str(e))
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
             watchdog.wait_for_verdict()  # a lost peer: let the watchdog name it in one line
@@ -158,8 +165,17 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     rt = run.runtime
+    deadline = start_deadline(DeadlineSettings.from_run(run), run, pstate.world_size, rank)
     control = RunControl(ckpt.save_interval, rt.exit_interval, rt.exit_duration_in_mins, rt.max_nonfinite_loss_iters,
-                         saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0)
+                         saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0,
+                         deadline=deadline)
+
+    def save(it: int) -> None:
+        began = time.monotonic()
+        save_checkpoint(engine, it, consumed, run, pstate)
+        if deadline is not None:  # the measure the deadline predicts the next save from (this job's and the next)
+            deadline.saved(time.monotonic() - began, it)
+
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     resume.restore_rng()
@@ -169,6 +185,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         start, incr, ramp = t.rampup_batch_size
         print_rank0(f"> global batch size ramps from {start} to {gbs} by {incr} over {ramp} samples "
                     f"({t.train_iters} iterations in all)", rank)
+    if deadline is not None:
+        deadline.begin()  # the set-up above is no step
     for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
         if t.train_tokens is not None and consumed * seq >= t.train_tokens:
             it -= 1  # upstream's loop condition: stop once --train-tokens are consumed
@@ -220,13 +238,16 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         evaluation.periodic(it, consumed, n_micro)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
-            save_checkpoint(engine, it, consumed, run, pstate)
+            save(it)
         if decision.exit:
             print_rank0(f"> exiting at iteration {it} after a checkpoint: {decision.reason}", rank)
             break
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
-        save_checkpoint(engine, it, consumed, run, pstate)  # the end of training is always kept
+        save(it)  # the end of training is always kept
+    reached_end = it >= t.train_iters or not (decision and decision.exit)  # (an exit may fall on the last step)
+    if ckpt.save and rank == 0 and not opts.skip_train and reached_end:
+        write_finished(ckpt.save, it, consumed)  # the batch scripts stop the job chain on it
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.

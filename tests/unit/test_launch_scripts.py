@@ -38,15 +38,23 @@ if "pretrain_gpt.py" in sys.argv:
     print(f"iteration 1/10 | TFLOPs: {{10 * tp + pp + mbs / 10:.1f}} |")
 """
 # sbatch: read the script's #SBATCH -N, set what Slurm sets in a batch job, copy the script to a spool folder
-# (a real sbatch does too, so scripts must not rely on their own path) and run it.
+# (a real sbatch does too, so scripts must not rely on their own path) and run it. A submission with
+# --dependency (the job chain's successor, examples/frontier/campaign.sh) is recorded in FAKE_SBATCH_LOG instead.
 FAKE_SBATCH = f"""#!{sys.executable}
-import os, re, shutil, sys, tempfile
+import json, os, re, shutil, sys, tempfile
 args = sys.argv[1:]
-nodes = None
+if any(a.startswith("--dependency") for a in args):
+    with open(os.environ["FAKE_SBATCH_LOG"], "a") as f:
+        f.write(json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}}) + "\\n")
+    print("4243")
+    sys.exit(0)
+nodes, qos = None, None
 while args and args[0].startswith("-"):
     opt = args.pop(0)
     if opt == "-N":
         nodes = int(args.pop(0))
+    elif opt == "-q":
+        qos = args.pop(0)
     elif opt in ("-A", "-t", "-J"):
         args.pop(0)
 script, rest = args[0], args[1:]
@@ -57,7 +65,9 @@ spool = tempfile.mkdtemp()
 copy = shutil.copy(script, os.path.join(spool, "slurm_script"))
 os.environ.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes),
                   SLURM_JOB_NODELIST=f"frontier[{{1:05d}}-{{nodes:05d}}]" if nodes > 1 else "frontier00001",
-                  SLURM_SUBMIT_DIR=os.getcwd(), SLURM_JOB_NAME=os.path.basename(script))
+                  SLURM_SUBMIT_DIR=os.getcwd(), SLURM_JOB_NAME=os.path.basename(script).split(".")[0])
+if qos:
+    os.environ["SLURM_JOB_QOS"] = qos
 os.execvp("bash", ["bash", copy, *rest])
 """
 FAKE_SCONTROL = f"""#!{sys.executable}
@@ -78,11 +88,14 @@ TRAINING = {
     "gpt175b.sbatch": (16, 4, 16, (96, 12288, 96), 1, 256, "full"),
     "gpt1t.sbatch": (128, 8, 64, (128, 25600, 128), 1, 1024, "full"),
 }
+# OLCF's current PyTorch-on-Frontier recipe (shared FRONTIER.md); NCCL_NET depends on the node count
 EXPECTED_ENV = {
-    "MASTER_ADDR": "frontier00001", "MASTER_PORT": "29500", "NCCL_SOCKET_IFNAME": "hsn0", "NCCL_NET_GDR_LEVEL": "3",
-    "NCCL_CROSS_NIC": "1", "HSA_FORCE_FINE_GRAIN_PCIE": "1", "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_CXI_ATS": "0",
+    "MASTER_ADDR": "frontier00001", "MASTER_PORT": "29500", "NCCL_SOCKET_IFNAME": "hsn0", "NCCL_CROSS_NIC": "1",
+    "HSA_FORCE_FINE_GRAIN_PCIE": "1", "FI_MR_CACHE_MONITOR": "kdreg2", "FI_CXI_DEFAULT_CQ_SIZE": "131072",
+    "FI_CXI_DEFAULT_TX_SIZE": "2048", "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_CXI_RDZV_PROTO": "alt_read",
     "FI_CXI_DISABLE_HOST_REGISTER": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "7",
 }
+OLD_RECIPE = ("FI_CXI_ATS", "NCCL_NET_GDR_LEVEL")
 
 
 def _write(path: Path, text: str) -> None:
@@ -100,15 +113,17 @@ def fake_slurm(tmp_path):
     _write(bin_dir / "scontrol", FAKE_SCONTROL)
     _write(bin_dir / "sbcast", FAKE_RECORDER.format(name="SBCAST"))
     _write(bin_dir / "module", FAKE_RECORDER.format(name="MODULE"))
-    logs = {k: tmp_path / f"{k}.log" for k in ("srun", "module", "sbcast")}
+    logs = {k: tmp_path / f"{k}.log" for k in ("srun", "module", "sbcast", "sbatch")}
+    (tmp_path / "home").mkdir()
 
     def run(script: str, *args: str, sbatch_opts: tuple[str, ...] = (), **env: str):
         for log in logs.values():
             log.unlink(missing_ok=True)
         full_env = {
-            "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path), "USER": "tester",
-            "FAKE_SRUN_LOG": str(logs["srun"]), "FAKE_MODULE_LOG": str(logs["module"]),
-            "FAKE_SBCAST_LOG": str(logs["sbcast"]), "RUN_DIR": str(tmp_path / "run"),
+            "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path / "home"),
+            "USER": "tester", "FAKE_SRUN_LOG": str(logs["srun"]), "FAKE_MODULE_LOG": str(logs["module"]),
+            "FAKE_SBCAST_LOG": str(logs["sbcast"]), "FAKE_SBATCH_LOG": str(logs["sbatch"]),
+            "RUN_DIR": str(tmp_path / "run"),
             "MIOPEN_CACHE_ROOT": str(tmp_path / "miopen"), "PYTHON": sys.executable, **env,
         }
         proc = subprocess.run(["sbatch", *sbatch_opts, str(FRONTIER / script), *args], cwd=ROOT, env=full_env,
@@ -116,6 +131,8 @@ def fake_slurm(tmp_path):
         sruns = [json.loads(line) for line in logs["srun"].read_text().splitlines()] if logs["srun"].exists() else []
         modules = logs["module"].read_text().splitlines() if logs["module"].exists() else []
         sbcasts = logs["sbcast"].read_text().splitlines() if logs["sbcast"].exists() else []
+        run.successors = ([json.loads(line) for line in logs["sbatch"].read_text().splitlines()]
+                          if logs["sbatch"].exists() else [])
         return proc, sruns, modules, sbcasts
 
     return run
@@ -143,7 +160,8 @@ def test_training_script_final_srun(fake_slurm, tmp_path, script):
     nodes, tp, pp, (layers, hidden, heads), mbs, gbs, recompute = TRAINING[script]
     proc, sruns, modules, _ = fake_slurm(script)
     assert proc.returncode == 0, proc.stderr
-    assert modules == ["load PrgEnv-gnu rocm craype-accel-amd-gfx90a"]
+    assert modules == ["load PrgEnv-gnu rocm craype-accel-amd-gfx90a", "load rccl-net-plugin"]
+    assert "check_job:" not in proc.stderr  # tools/check_job.py finds nothing to say about the script as shipped
     assert len(sruns) == 1
     argv = sruns[0]["argv"]
     assert Path(argv[0]).name == "srun"
@@ -166,6 +184,15 @@ def test_training_script_final_srun(fake_slurm, tmp_path, script):
     env = sruns[0]["env"]
     for key, value in EXPECTED_ENV.items():
         assert env.get(key) == value, key
+    assert env["NCCL_NET"] == ("Socket" if nodes == 1 else "OFI")  # the plugin initialises only across nodes
+    assert not any(k in env for k in OLD_RECIPE)
+    assert env["MEGATRON_SIGNAL_LEAD_SECS"] == re.search(r"#SBATCH --signal=B:USR1@(\d+)",
+                                                         (FRONTIER / script).read_text()).group(1)
+    # The chain: one successor, the same script and arguments, after this job, submitted before env.sh ran.
+    successor, = fake_slurm.successors
+    assert "--dependency=afterany:4242" in successor["argv"] and "--export=ALL,CAMPAIGN_PREV=4242" in successor["argv"]
+    assert successor["argv"][-1].endswith("slurm_script") and successor["cwd"] == str(ROOT)
+    assert "MASTER_ADDR" not in successor["env"] and "NCCL_NET" not in successor["env"]
     assert env["MIOPEN_USER_DB_PATH"] == env["MIOPEN_CUSTOM_CACHE_DIR"] == str(tmp_path / "miopen")
     assert (tmp_path / "miopen").is_dir()
 
@@ -185,7 +212,7 @@ def test_overrides_extra_flags_and_real_data(fake_slurm, tmp_path):
     proc, sruns, _, _ = fake_slurm("gpt22b.sbatch", "--seed", "7", sbatch_opts=("-N", "8"), TP="4", PP="4",
                                    GBS="256", DATA_PATH="0.7 /d/a_text_document 0.3 /d/b_text_document",
                                    DATA_DIR="/d", DS_CONFIG="/cfg/ds.json", SHOW_LAYOUT="0",
-                                   FRONTIER_RCCL_PLUGIN="/opt/aws-ofi-rccl/lib", MASTER_PORT="3442")
+                                   FRONTIER_NET_MODULE="aws-ofi-rccl/1.4", MASTER_PORT="3442")
     assert proc.returncode == 0, proc.stderr
     argv = sruns[-1]["argv"]
     assert argv[1:8] == _srun_prefix(8)
@@ -197,8 +224,9 @@ def test_overrides_extra_flags_and_real_data(fake_slurm, tmp_path):
     assert f["--deepspeed_config"] == ["/cfg/ds.json"] and "--mock-data" not in f
     assert argv[-2:] == ["--seed", "7"]
     env = sruns[-1]["env"]
-    assert env["MASTER_PORT"] == "3442" and env["LD_LIBRARY_PATH"].split(":")[0] == "/opt/aws-ofi-rccl/lib"
+    assert env["MASTER_PORT"] == "3442" and env["NCCL_NET"] == "OFI"
     assert "Memory per GCD" not in proc.stdout  # SHOW_LAYOUT=0
+    assert fake_slurm.successors[0]["argv"][-2:] == ["--seed", "7"]  # the successor gets the same extra flags
 
 
 def test_bad_layout_stops_before_srun(fake_slurm):
@@ -225,6 +253,7 @@ def test_preprocess(fake_slurm, tmp_path):
     prefix = tmp_path / "out" / "corpus"
     proc, sruns, _, _ = fake_slurm("preprocess.sbatch", INPUT="/lustre/corpus.jsonl", OUTPUT_PREFIX=str(prefix))
     assert proc.returncode == 0, proc.stderr
+    assert "check_job:" not in proc.stderr
     argv = sruns[-1]["argv"]
     assert argv[1:8] == ["-N", "1", "-n", "1", "-c", "56", "--gpus-per-task=0"]
     assert argv[8:10] == [sys.executable, "tools/preprocess_data.py"]
@@ -239,6 +268,7 @@ def test_tune_layout_runs_only_feasible_layouts_and_ranks_them(fake_slurm, tmp_p
     proc, sruns, _, _ = fake_slurm("tune_layout.sbatch", TP_CHOICES="1 2 8", PP_CHOICES="1 8", MBS_CHOICES="1 2",
                                    FAKE_FAIL="2,8,2")
     assert proc.returncode == 0, proc.stderr
+    assert "check_job:" not in proc.stderr
     model = named_model("gpt-22b")
     feasible = []
     for tp in choices["tp"]:
@@ -287,3 +317,19 @@ def test_script_conventions(script):
     assert "set -euo pipefail" in text
     assert re.search(r"^#SBATCH -S 8$", text, re.MULTILINE)
     assert "#SBATCH -A" not in text  # the account comes from the environment (SBATCH_ACCOUNT) or sbatch -A
+
+
+def test_debug_qos_runs_one_job_without_a_successor(fake_slurm):
+    proc, sruns, _, _ = fake_slurm("smoke_1node.sbatch", sbatch_opts=("-q", "debug"), SHOW_LAYOUT="0")
+    assert proc.returncode == 0, proc.stderr
+    assert len(sruns) == 1 and fake_slurm.successors == []
+    assert proc.stderr.count("campaign: -q debug: OLCF prohibits job chains there") == 1
+
+
+def test_a_finished_run_exits_zero_at_once(fake_slurm, tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "finished").write_text('{"iteration": 20, "job": "4241"}\n')
+    proc, sruns, modules, _ = fake_slurm("smoke_1node.sbatch")
+    assert proc.returncode == 0, proc.stderr
+    assert sruns == [] and modules == [] and fake_slurm.successors == []  # nothing loaded, run or submitted
+    assert "campaign: run smoke_1node is finished at iteration 20" in proc.stderr

@@ -1,0 +1,259 @@
+"""Stop before the Slurm job's end: save, exit 0, and let the next job of the campaign resume.
+
+Rank 0 alone knows the end time (``SLURM_JOB_END_TIME``, else ``squeue -h -j $SLURM_JOB_ID -o %e``, re-read in a
+background thread every few minutes since ``scontrol update TimeLimit=`` moves it), a running step time and a
+predicted save time (the last save measured in this run, kept in ``--save``/save_time.json across jobs; before
+any, the checkpoint's bytes over a measured write rate of the ``--save`` file system). After every iteration it
+asks: would the next step, a save and the margin still fit? Its answer rides the flags all-reduce of
+megatron/training/control.py, so every rank stops at the same iteration without a collective of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from megatron.checkpointing.space import checkpoint_bytes
+from megatron.config import RunConfig
+from megatron.training.run_files import read_save_time, write_save_time
+
+MIN_MARGIN_S = 15.0
+STEP_WINDOW = 8
+"""Step intervals kept; the largest is the next step's estimate (an evaluation or a slow step is not missed)."""
+PROBE_MAX_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class DeadlineSettings:
+    """What the deadline needs, read once from the flags and the job's environment."""
+
+    job_id: str | None
+    """``SLURM_JOB_ID``; None outside Slurm: no end time, no deadline."""
+    end_time: float | None = None
+    """``SLURM_JOB_END_TIME`` (seconds since the epoch); None: ask ``squeue``."""
+    margin_secs: float | None = None
+    """--job-end-margin-secs: kept free beyond the next step and a save. None: max(2 step times, 20% of the
+    predicted save, 15 s)."""
+    save_dir: str | None = None
+    """--save: where the save-time measure lives and the write rate is probed."""
+    save_optimizer: bool = True
+    """False under --no-save-optim (a smaller checkpoint to estimate)."""
+    signal_lead_secs: float | None = None
+    """The lead of the job's ``#SBATCH --signal=[B:]USR1@<lead>`` (exported by examples/frontier/campaign.sh as
+    ``MEGATRON_SIGNAL_LEAD_SECS``); None: unknown."""
+    reread_secs: float = 300.0
+    """How often rank 0 asks squeue again."""
+
+    @classmethod
+    def from_run(cls, run: RunConfig, environ: Mapping[str, str] = os.environ) -> DeadlineSettings:
+        """From the run's settings and the job's environment (Slurm's variables, campaign.sh's signal lead)."""
+        end = environ.get("SLURM_JOB_END_TIME")
+        lead = environ.get("MEGATRON_SIGNAL_LEAD_SECS")
+        return cls(job_id=environ.get("SLURM_JOB_ID") or None,
+                   end_time=float(end) if end and end.strip().isdigit() else None,
+                   margin_secs=run.runtime.job_end_margin_secs, save_dir=run.checkpoint.save,
+                   save_optimizer=not run.checkpoint.no_save_optim,
+                   signal_lead_secs=float(lead) if lead and lead.strip().isdigit() else None)
+
+
+def squeue_end_time(job_id: str, timeout: float = 30.0) -> float | None:
+    """The job's end from ``squeue -h -j ID -o %e`` (local time, ``2026-11-26T14:00:05``); None when unknown."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True,
+                             timeout=timeout, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    try:
+        return datetime.datetime.strptime(out.splitlines()[0].strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (ValueError, IndexError):  # "N/A", "Unknown", nothing
+        return None
+
+
+def bytes_per_writer(run: RunConfig, world_size: int, with_optimizer: bool) -> int:
+    """What the busiest rank writes in one save: the weights are split over TP x PP (DP replicas are saved once),
+    the optimizer states over every rank under ZeRO >= 1 (else over TP x PP)."""
+    p = run.parallel
+    total = checkpoint_bytes(run, with_optimizer)
+    if p.zero_hierarchy:
+        return math.ceil(total / max(1, world_size))
+    weights = checkpoint_bytes(run, False)
+    mp = max(1, p.tp * p.pp)
+    optim_writers = max(1, world_size) if p.zero_stage >= 1 else mp
+    return math.ceil(weights / mp + (total - weights) / optim_writers)
+
+
+def write_rate(folder: str, nbytes: int) -> float | None:
+    """Bytes per second of one writer to ``folder``'s file system: ``nbytes`` written, fsynced and removed."""
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder.rstrip("/"))
+    if not folder:
+        return None
+    path = os.path.join(folder, f".write-probe-{os.getpid()}")
+    block = os.urandom(min(nbytes, 2**20))  # random: a compressing file system must not flatter the rate
+    t0 = time.monotonic()
+    try:
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(block[:left])
+            f.flush()
+            os.fsync(f.fileno())
+        secs = time.monotonic() - t0
+    except OSError:
+        return None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return nbytes / max(secs, 1e-6)
+
+
+@dataclass(frozen=True)
+class SavePrediction:
+    secs: float
+    source: str
+    """Where the figure comes from, for the log: "measured by job 1233", "estimated: 2.1 GB at 1.3 GB/s"."""
+
+
+def predict_save(settings: DeadlineSettings, writer_bytes: int,
+                 rate: Callable[[str, int], float | None] = write_rate) -> SavePrediction:
+    """The run's last measured save, else the busiest rank's bytes over the probed write rate."""
+    if not settings.save_dir:
+        return SavePrediction(0.0, "nothing to save (no --save)")
+    last = read_save_time(settings.save_dir)
+    if last is not None:
+        return SavePrediction(float(last["save_secs"]), f"measured by job {last.get('job', '?')}")
+    probe = max(2**20, min(writer_bytes, PROBE_MAX_BYTES))
+    got = rate(settings.save_dir, probe)
+    if got is None:
+        return SavePrediction(0.0, "unknown: --save's file system could not be probed")
+    return SavePrediction(writer_bytes / got, f"estimated: {writer_bytes / 1e9:.3g} GB per rank at "
+                                              f"{got / 1e9:.3g} GB/s")
+
+
+class EndTime:
+    """The job's end as rank 0 knows it: the environment's figure, refreshed by squeue in a daemon thread."""
+
+    def __init__(self, settings: DeadlineSettings, query: Callable[[str], float | None] | None = None) -> None:
+        self.job_id, self.every = settings.job_id, settings.reread_secs
+        self.query = query or squeue_end_time
+        self.value = settings.end_time
+        self.source = "SLURM_JOB_END_TIME"
+        if self.value is None and self.job_id:
+            self.value, self.source = self.query(self.job_id), "squeue"
+        self._stop = threading.Event()
+        self._thread = None
+        if self.value is not None and self.every > 0:
+            self._thread = threading.Thread(target=self._refresh, name="job-end-time", daemon=True)
+            self._thread.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.every):
+            got = self.query(self.job_id)
+            if got is not None and got != self.value:
+                print(f"> job {self.job_id}'s end moved to {_clock(got)} (was {_clock(self.value)})", flush=True)
+                self.value = got
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _clock(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+class Deadline:
+    """Rank 0's judge of "stop now". ``should_stop()`` after each iteration, ``saved()`` after each save."""
+
+    def __init__(self, settings: DeadlineSettings, end: EndTime, save: SavePrediction,
+                 clock: Callable[[], float] = time.time, say: Callable[[str], None] | None = None) -> None:
+        self.settings, self.end, self.clock = settings, end, clock
+        self.say = say or (lambda msg: print(msg, flush=True))
+        self.save_secs, self.save_source = save.secs, save.source
+        last = read_save_time(settings.save_dir)
+        self.previous_step = float(last["step_secs"]) if last and last.get("step_secs") else None
+        self.steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self.step_mean: float | None = None
+        self._last = clock()
+        self._announced = False
+        self.reason = ""
+        self._warn_signal_lead()
+
+    def begin(self) -> None:
+        """Training starts now (the set-up before it is no step)."""
+        self._last = self.clock()
+
+    def step(self) -> float:
+        """The next step's estimate: the largest recent interval (the last job's before this job's first)."""
+        if self.steps:
+            return max(self.steps)
+        return self.previous_step or 0.0
+
+    def margin(self) -> float:
+        if self.settings.margin_secs is not None:
+            return self.settings.margin_secs
+        return max(2 * self.step(), 0.2 * self.save_secs, MIN_MARGIN_S)
+
+    def should_stop(self) -> bool:
+        now = self.clock()
+        interval, self._last = now - self._last, now
+        self.steps.append(interval)
+        self.step_mean = interval if self.step_mean is None else 0.9 * self.step_mean + 0.1 * interval
+        end = self.end.value
+        if end is None:
+            return False
+        step, margin = self.step(), self.margin()
+        if not self._announced:
+            self._announced = True
+            per = self.previous_step or interval
+            left = end - now - self.save_secs - margin
+            iters = max(0, int(left // per)) if per > 0 else 0
+            self.say(f"> job {self.settings.job_id} ends at {_clock(end)} (in {end - now:.0f} s, {self.end.source}); "
+                     f"predicted save {self.save_secs:.1f} s ({self.save_source}); margin {margin:.1f} s; this job "
+                     f"will do about {iters} more iterations ({per:.3g} s each)")
+        if now + step + self.save_secs + margin <= end:
+            return False
+        self.reason = (f"the job ends at {_clock(end)}: the next step ({step:.1f} s), a save ({self.save_secs:.1f} s) "
+                       f"and the margin ({margin:.1f} s) would not fit in the {max(0.0, end - now):.0f} s left")
+        return True
+
+    def saved(self, secs: float, iteration: int) -> None:
+        """A save of ``secs`` seconds just ended: the prediction from now on, and the next job's."""
+        predicted = self.save_secs
+        self.save_secs, self.save_source = secs, f"measured by job {self.settings.job_id}"
+        self._last = self.clock()  # the save is not part of the next step's interval
+        self.say(f"> checkpoint save took {secs:.1f} s (predicted {predicted:.1f} s)")
+        if self.settings.save_dir:
+            write_save_time(self.settings.save_dir, secs, self.settings.job_id, iteration, self.step_mean)
+
+    def _warn_signal_lead(self) -> None:
+        lead = self.settings.signal_lead_secs
+        if lead is None or self.save_secs <= lead:
+            return
+        ask = 30 * math.ceil((1.2 * self.save_secs + MIN_MARGIN_S) / 30)
+        self.say(f"> warning: the predicted checkpoint save ({self.save_secs:.0f} s, {self.save_source}) is longer "
+                 f"than the job's signal lead ({lead:.0f} s): a signal alone leaves no time to save; ask for "
+                 f"#SBATCH --signal=B:USR1@{ask}")
+
+    def close(self) -> None:
+        self.end.close()
+
+
+def start_deadline(settings: DeadlineSettings, run: RunConfig, world_size: int, rank: int) -> Deadline | None:
+    """Rank 0's Deadline under Slurm; None on other ranks, outside Slurm, or when the end time is unknown."""
+    if rank != 0 or not settings.job_id:
+        return None
+    end = EndTime(settings)
+    if end.value is None:
+        print(f"> job {settings.job_id}: end time unknown (no SLURM_JOB_END_TIME, squeue gave none): stopping "
+              "only on signals, --exit-duration-in-mins or --exit-interval", flush=True)
+        return None
+    return Deadline(settings, end, predict_save(settings, bytes_per_writer(run, world_size, settings.save_optimizer)))

@@ -1,0 +1,186 @@
+"""A training campaign through examples/frontier/smoke_1node.sbatch on the stand-in Slurm: a tiny GPT on 2 ranks,
+jobs whose end time is ~45 s after their start, saves slowed to ~8 s. One straight run (one job under -q debug, so
+no chain) and one campaign, reused by every test here:
+
+- job 1 gets SIGUSR1 on its batch shell only (B:), job 2 SIGUSR1 on rank 1 only, job 3 SIGTERM on rank 1 only;
+  every later job runs until its deadline (or the end of training);
+- the losses of every iteration equal the straight run's bit for bit; every job exits 0, before its end time,
+  with a whole checkpoint; each job submits one successor and the one pending at the end is cancelled;
+- from the second job on, the save time predicted at start is within 50% of the measured one.
+
+On a loaded machine the start-up of a job (imports, process group, engine) takes longer than 45 s allows: the
+job length grows by the straight run's measured start-up beyond 15 s, and the step is slowed (a sleep, no CPU) so
+that a deadline job cannot finish the run alone, whatever the length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.checkpointing import verify
+from tests.campaign.common import Place, iterations_logged, log_of
+
+ITERS = 32
+SAVE_SLEEP = 8.0
+SIGNALS = {0: ("batch", signal.SIGUSR1), 1: (1, signal.SIGUSR1), 2: (1, signal.SIGTERM)}
+SIGNAL_AFTER = 3  # iterations of the job logged before its signal
+_START = re.compile(r"> job (\d+) ends at .*? \(in (\d+) s, [^)]*\); predicted save ([\d.]+) s \(([^)]*)\)")
+_SAVED = re.compile(r"> checkpoint save took ([\d.]+) s \(predicted ([\d.]+) s\)")
+
+
+def _clock(secs: int) -> str:
+    return f"{secs // 60}:{secs % 60:02d}"
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory):
+    root = tmp_path_factory.mktemp("campaign")
+    straight = Place(root / "straight", ITERS, RUN_DIR=str(root / "straight" / "runs" / "straight"))
+    straight_id = straight.sbatch("-q", "debug", "-t", "20:00")
+    straight_jobs = straight.run(max_jobs=3)
+    start = _START.search(log_of(straight_jobs[0]))
+    assert start, log_of(straight_jobs[0])[-3000:]
+    startup = 20 * 60 - int(start.group(2))  # job start -> first iteration done
+    limit = 45 + max(0, math.ceil(1.5 * startup) - 15)
+    # A deadline job trains ~(limit - start-up - save - margin) seconds; its start-up may be half the straight run's.
+    # At this step it does about 12 iterations at most: the ~20 left after the signalled jobs take 2-3 jobs.
+    step_sleep = max(0.3, (limit - SAVE_SLEEP - 15 - startup / 2) / 12)
+
+    place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "runs" / "camp"),
+                  TEST_STEP_SLEEP=f"{step_sleep:.2f}", TEST_SAVE_SLEEP=str(SAVE_SLEEP))
+    first = place.sbatch("-t", _clock(limit))
+    order: list[str] = []
+
+    def watch(running):
+        if running.job["id"] not in order:
+            order.append(running.job["id"])
+        plan = SIGNALS.get(order.index(running.job["id"]))
+        if plan is None or running.sent:
+            return
+        if len(iterations_logged(running.output())) >= SIGNAL_AFTER:
+            target, sig = plan
+            if target == "batch":
+                running.signal_batch_shell(sig)
+            elif running.ranks():
+                running.signal_rank(target, sig)
+
+    jobs = place.run(max_jobs=12, watch=watch)
+    return SimpleNamespace(root=root, place=place, straight=straight, straight_id=straight_id,
+                           straight_jobs=straight_jobs, first=first, jobs=jobs, limit=limit, startup=startup,
+                           step_sleep=step_sleep, ckpt=Path(root / "campaign" / "runs" / "camp" / "checkpoints"))
+
+
+def _ran(c) -> list[dict]:
+    """The campaign's jobs that ran (the last successor is cancelled, never run)."""
+    return [j for j in c.jobs if j.get("start")]
+
+
+def test_cpu_and_shape(campaign):
+    jobs = _ran(campaign)
+    cpu = sum(j.get("rank_cpu_s", 0) for j in jobs)
+    print(f"campaign: {len(jobs)} jobs of {campaign.limit} s (start-up {campaign.startup} s, step sleep "
+          f"{campaign.step_sleep:.2f} s), ranks' CPU {cpu:.0f} s; straight run "
+          f"{campaign.straight_jobs[0].get('rank_cpu_s', 0):.0f} s")
+    assert len(jobs) >= 4, [(j["id"], j["state"]) for j in jobs]  # 3 signalled jobs, then deadline jobs
+
+
+def test_losses_equal_one_straight_run_bit_for_bit(campaign):
+    straight = campaign.straight.result(campaign.straight_id)["losses"]
+    assert sorted(straight) == list(range(1, ITERS + 1))
+    seen: dict[int, float] = {}
+    for job in _ran(campaign):
+        got = campaign.place.result(job["id"])
+        assert got is not None, log_of(job)[-3000:]
+        assert not set(got["losses"]) & set(seen), f"job {job['id']} repeated iterations"
+        seen.update(got["losses"])
+    assert seen == straight  # every iteration once, each loss equal to the straight run's float, bit for bit
+    assert len(set(straight.values())) > ITERS // 2  # the loss moves: equality is not trivial
+
+
+def test_every_job_exits_zero_before_its_end_with_a_whole_checkpoint(campaign):
+    for job in _ran(campaign):
+        assert job["rc"] == 0 and not job["timed_out"], (job["id"], job["rc"], log_of(job)[-3000:])
+        assert job["ended"] <= job["end_time"], (job["id"], job["ended"] - job["end_time"])
+        last = campaign.place.result(job["id"])["iterations"]
+        tag = campaign.ckpt / f"global_step{last}"
+        assert tag.is_dir(), f"job {job['id']} left no checkpoint of its last iteration {last}"
+        bad, has_manifest = verify.offline_problems(str(tag), json.loads((tag / "megatron_meta.json").read_text()))
+        assert has_manifest and not bad, (tag, bad)
+        assert max(p.stat().st_mtime for p in tag.iterdir()) <= job["end_time"]
+    assert (campaign.ckpt / "latest").read_text().strip() == f"global_step{ITERS}"
+    assert json.loads((campaign.ckpt / "finished").read_text())["iteration"] == ITERS
+
+
+def test_each_job_submits_one_successor_and_the_pending_one_is_cancelled(campaign):
+    ran = _ran(campaign)
+    submits = campaign.place.calls("sbatch")
+    for job in ran:
+        mine = [c for c in submits if c["from_job"] == job["id"]]
+        assert len(mine) == 1, (job["id"], mine)
+        assert f"--dependency=afterany:{job['id']}" in mine[0]["args"]
+    successors = {j["id"]: j for j in campaign.place.jobs()}
+    last = ran[-1]
+    pending = [j for j in successors.values() if j.get("submitted_by") == last["id"]]
+    assert len(pending) == 1 and pending[0]["state"] == "CANCELLED" and not pending[0].get("start")
+    assert [c["args"] for c in campaign.place.calls("scancel") if c["from_job"] == last["id"]] == [[pending[0]["id"]]]
+    assert f"cancelled the pending successor job {pending[0]['id']}" in log_of(last)
+    # every job ran as the successor of the one before it, with the same arguments and time limit
+    for before, after in zip(ran, ran[1:], strict=False):
+        assert after["dependency"] == f"afterany:{before['id']}" and after["args"] == before["args"]
+        assert after["time"] and after["env"]["CAMPAIGN_PREV"] == before["id"]
+
+
+def test_signals_stop_every_rank_at_the_same_iteration_with_a_checkpoint(campaign):
+    ran = _ran(campaign)
+    for index, (target, sig) in SIGNALS.items():
+        job = ran[index]
+        assert job["sent"] and job["sent"][0][1] == sig, job["sent"]
+        r0, r1 = campaign.place.result(job["id"], 0), campaign.place.result(job["id"], 1)
+        assert r0["iterations"] == r1["iterations"], (r0, r1)
+        assert r0["exit_reason"] == r1["exit_reason"] == "signal (SIGTERM/SIGUSR1)"
+        assert f"> exiting at iteration {r0['iterations']} after a checkpoint: signal" in log_of(job)
+        if target == "batch":
+            assert "campaign: SIGUSR1 received by the batch shell: forwarded" in log_of(job)
+
+
+def test_deadline_stops_in_time_and_predicts_the_slow_save(campaign):
+    ran = _ran(campaign)
+    deadline_jobs = [j for j in ran if "after a checkpoint: the job ends at" in log_of(j)]
+    assert deadline_jobs, [log_of(j)[-1500:] for j in ran]
+    for job in deadline_jobs:
+        r0, r1 = campaign.place.result(job["id"], 0), campaign.place.result(job["id"], 1)
+        assert r0["iterations"] == r1["iterations"] and r0["exit_reason"].startswith("the job ends at")
+    for job in ran[1:]:
+        text = log_of(job)
+        start, saves = _START.search(text), _SAVED.findall(text)
+        assert start and saves, text[-3000:]
+        predicted, measured = float(start.group(3)), float(saves[0][0])
+        assert measured >= SAVE_SLEEP
+        assert abs(predicted - measured) <= 0.5 * measured, (job["id"], predicted, measured, start.group(4))
+        assert start.group(4).startswith("measured by job")
+
+
+def test_debug_qos_runs_alone(campaign):
+    job = campaign.straight_jobs[0]
+    assert len(campaign.straight_jobs) == 1 and job["rc"] == 0
+    text = log_of(job)
+    assert text.count("campaign: -q debug: OLCF prohibits job chains there") == 1
+    assert campaign.straight.calls("sbatch") == [c for c in campaign.straight.calls("sbatch") if not c["from_job"]]
+
+
+def test_a_job_on_a_finished_run_exits_at_once(campaign):
+    place = campaign.place
+    again = place.sbatch("-t", _clock(campaign.limit))
+    job, = place.run(max_jobs=1)
+    assert job["id"] == again and job["rc"] == 0
+    assert f"campaign: run smoke_1node is finished at iteration {ITERS}" in log_of(job)
+    assert not [c for c in place.calls("srun") + place.calls("sbatch") if c["from_job"] == again]
+    assert os.path.exists(campaign.ckpt / "finished")

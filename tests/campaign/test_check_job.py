@@ -1,0 +1,121 @@
+"""tools/check_job.py: each mistake that wastes a Frontier job is one line; a clean script and environment are
+silent with exit 0. (That every example script passes in the environment env.sh gives it is checked in
+tests/unit/test_launch_scripts.py, where the scripts run check_job themselves.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools import check_job
+
+CLEAN = """#!/bin/bash
+#SBATCH -J run
+#SBATCH -N 4
+#SBATCH -t 02:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH -S 8
+#SBATCH --network=disable_rdzv_get
+set -euo pipefail
+campaign_run srun -N 4 -n 32 -c7 --gpus-per-task=1 --gpu-bind=closest \\
+    "$PYTHON" pretrain_gpt.py --save "$CKPT_DIR" --load "$CKPT_DIR"
+"""
+ENV = {"FI_CXI_RDZV_PROTO": "alt_read", "FI_MR_CACHE_MONITOR": "kdreg2", "NCCL_NET": "OFI",
+       "MIOPEN_USER_DB_PATH": "/tmp/u-miopen", "MIOPEN_CUSTOM_CACHE_DIR": "/tmp/u-miopen", "HOME": "/ccs/home/u"}
+SAVE = "/lustre/orion/abc123/scratch/u/run/checkpoints"
+
+
+SWAPS = {"nodes": "#SBATCH -N 4", "time": "#SBATCH -t 02:00:00", "signal": "#SBATCH --signal=B:USR1@300",
+         "network": "#SBATCH --network=disable_rdzv_get", "set": "set -euo pipefail",
+         "srun": "campaign_run srun -N 4 -n 32 -c7 --gpus-per-task=1 --gpu-bind=closest \\"}
+"""Lines of CLEAN a case may replace (by key) with its own lines, or drop (an empty replacement)."""
+
+
+# name -> (script edits, environment changes, keyword arguments, the words the one line must hold)
+CASES = {
+    "walltime over the 1-91 node bin": ({"time": "#SBATCH -t 03:00:00"}, {}, {}, "over the 2 h limit of 4 nodes"),
+    "walltime over the 92-183 node bin": ({"nodes": "#SBATCH -N 100", "time": "#SBATCH -t 07:00:00"},
+                                          {"NCCL_NET": "OFI"}, {}, "over the 6 h limit of 100 nodes"),
+    "extended partition, too many nodes": ({"nodes": "#SBATCH -N 80\n#SBATCH -p extended"}, {}, {},
+                                           "80 nodes in the extended partition"),
+    "debug QOS over 2 h": ({"time": "#SBATCH -t 03:00:00\n#SBATCH -q debug"}, {}, {}, "over -q debug's 2 h"),
+    "a chain under -q debug": ({"time": "#SBATCH -t 01:00:00\n#SBATCH -q debug",
+                                "set": 'set -euo pipefail\nsbatch --dependency=afterany:"$SLURM_JOB_ID" "$0"'}, {}, {},
+                               "a job chain under -q debug"),
+    "a successor running in -q debug": ({}, {"SLURM_JOB_QOS": "debug", "CAMPAIGN_PREV": "1234"}, {},
+                                        "a job chain under -q debug"),
+    "no signal lead": ({"signal": ""}, {}, {}, "no #SBATCH --signal"),
+    "signal lead shorter than the save": ({}, {}, {"save_secs": 400.0}, "signal lead 300 s is shorter than this "
+                                                                        "run's last save (400 s"),
+    "memhooks": ({}, {"FI_MR_CACHE_MONITOR": "memhooks"}, {}, "memhooks deadlocks"),
+    "disable_rdzv_get without alt_read": ({}, {"FI_CXI_RDZV_PROTO": ""}, {},
+                                          "disable_rdzv_get without FI_CXI_RDZV_PROTO=alt_read"),
+    "alt_read without disable_rdzv_get": ({"network": ""}, {}, {}, "alt_read without #SBATCH --network"),
+    "NCCL_NET=OFI on one node": ({"nodes": "#SBATCH -N 1", "srun": "campaign_run srun -N 1 -n 8 -c7 "
+                                 "--gpus-per-task=1 --gpu-bind=closest \\"}, {}, {}, "NCCL_NET=OFI on one node"),
+    "--save in home": ({}, {}, {"save": "/ccs/home/u/run/checkpoints"}, "is on your home directory"),
+    "--save on NFS project space": ({}, {}, {"save": "/ccs/proj/abc123/run/checkpoints"}, "is on NFS"),
+    "--save on an NFS mount": ({}, {}, {"save": "/mnt/nfs/run", "mounts": "srv:/x /mnt/nfs nfs4 rw 0 0\n"},
+                               "is on NFS"),
+    "torchrun": ({"srun": "srun -N 4 -n 4 -c56 torchrun --nproc-per-node 8 \\"}, {}, {}, "torchrun: launch with srun"),
+    "no -c7": ({"srun": "campaign_run srun -N 4 -n 32 --gpus-per-task=1 --gpu-bind=closest \\"}, {}, {},
+               "srun without -c7"),
+    "no --gpu-bind=closest": ({"srun": "campaign_run srun -N 4 -n 32 -c 7 --gpus-per-task=1 \\"}, {}, {},
+                              "srun without --gpu-bind=closest"),
+    "MIOpen cache on Lustre": ({}, {"MIOPEN_USER_DB_PATH": "/lustre/orion/abc123/scratch/u/miopen"}, {},
+                               "MIOPEN_USER_DB_PATH=/lustre/orion/abc123/scratch/u/miopen is on a shared file system"),
+    "MIOpen cache unset (home)": ({}, {"MIOPEN_CUSTOM_CACHE_DIR": ""}, {}, "MIOPEN_CUSTOM_CACHE_DIR is unset"),
+}
+
+
+def _problems(tmp_path, edits: dict, env_changes: dict, kw: dict) -> list[str]:
+    text = CLEAN
+    for key, new in edits.items():
+        text = text.replace(SWAPS[key] + "\n", new + "\n" if new else "")
+    env = {k: v for k, v in {**ENV, **env_changes}.items() if v}
+    if edits.get("nodes", "").split("\n")[0] == "#SBATCH -N 1":
+        env["SLURM_JOB_NUM_NODES"] = "1"
+    save = kw.get("save", SAVE)
+    if "save_secs" in kw:
+        save = str(tmp_path / "ckpt")
+        os.makedirs(save)
+        with open(os.path.join(save, "save_time.json"), "w") as f:
+            json.dump({"save_secs": kw["save_secs"], "job": "1233", "iteration": 500}, f)
+    mounts = tmp_path / "mounts"
+    mounts.write_text(kw.get("mounts", "/dev/sda1 / ext4 rw 0 0\n"))
+    return check_job.problems("job.sbatch", text, env, save, mounts_file=str(mounts))
+
+
+def test_a_clean_job_is_silent(tmp_path):
+    assert _problems(tmp_path, {}, {}, {}) == []
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_mistake_is_one_line(tmp_path, name):
+    edits, env_changes, kw, words = CASES[name]
+    got = _problems(tmp_path, edits, env_changes, kw)
+    assert len(got) == 1, got
+    assert got[0].startswith("check_job: job.sbatch: ") and words in got[0], got[0]
+
+
+def test_walltime_formats():
+    assert check_job.walltime_hours("02:00:00") == 2 and check_job.walltime_hours("1-00:00:00") == 24
+    assert check_job.walltime_hours("90") == 1.5 and check_job.walltime_hours("1-6") == 30
+    assert check_job.walltime_hours("45:30") == pytest.approx(45.5 / 60) and check_job.walltime_hours("x") is None
+
+
+def test_the_command_line_exit_codes(tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(CLEAN)
+    env = {**ENV, "PATH": os.environ.get("PATH", "/usr/bin"), "HOME": str(tmp_path / "home")}
+    run = lambda *a: subprocess.run([sys.executable, "tools/check_job.py", str(script), *a], env=env,  # noqa: E731
+                                    capture_output=True, text=True, cwd=check_job.os.path.dirname(
+                                        check_job.os.path.dirname(check_job.__file__)))
+    clean = run("--save", SAVE)
+    assert clean.returncode == 0 and clean.stderr == ""
+    bad = run("--save", str(tmp_path / "home" / "ckpt"), "--time", "04:00:00")
+    assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 2, bad.stderr

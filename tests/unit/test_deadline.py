@@ -1,0 +1,273 @@
+"""megatron/training/deadline.py on one process with a fake clock: when rank 0 says "stop now", what it predicts
+a save costs, what it logs, and that its verdict rides the one flags all-reduce of RunControl (no collective of
+its own). Also the small run files (finished marker, save-time record) and the failure records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.arguments import parse_args, run_config_from_args
+from megatron.core import comm
+from megatron.training import deadline as dl
+from megatron.training import failure_record as fr
+from megatron.training import run_files
+
+END = 10_000.0
+
+
+class Clock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _end(value=END):
+    return SimpleNamespace(value=value, source="SLURM_JOB_END_TIME", close=lambda: None)
+
+
+def _deadline(tmp_path, clock, save_secs=10.0, margin=None, lead=None, lines=None):
+    settings = dl.DeadlineSettings(job_id="77", end_time=END, margin_secs=margin, save_dir=str(tmp_path),
+                                   signal_lead_secs=lead)
+    lines = [] if lines is None else lines
+    return dl.Deadline(settings, _end(), dl.SavePrediction(save_secs, "estimated"), clock=clock,
+                       say=lines.append), lines
+
+
+def test_stops_when_the_next_step_a_save_and_the_margin_no_longer_fit(tmp_path):
+    clock = Clock(END - 100)
+    d, lines = _deadline(tmp_path, clock)
+    d.begin()
+    stops = []
+    for _ in range(100):
+        clock.t += 2.0  # a 2 s step
+        stops.append((clock.t, d.should_stop()))
+        if stops[-1][1]:
+            break
+    assert stops[-1][1], "never stopped"
+    t = stops[-1][0]
+    # margin = max(2 x 2 s, 20% of 10 s, 15 s) = 15 s: the last step that is allowed ends where 2 + 10 + 15 fit
+    assert t + 2 + 10 + 15 > END >= t - 2 + 2 + 10 + 15
+    assert d.margin() == 15.0
+    assert "the next step (2.0 s), a save (10.0 s) and the margin (15.0 s) would not fit" in d.reason
+    start, = [line for line in lines if "ends at" in line]  # said once, after the first step
+    assert "predicted save 10.0 s (estimated); margin 15.0 s; this job will do about 36 more iterations" in start
+
+
+def test_default_margin_and_the_flag():
+    d = SimpleNamespace(settings=SimpleNamespace(margin_secs=None), save_secs=200.0, step=lambda: 12.0)
+    assert dl.Deadline.margin(d) == 40.0  # 20% of the save
+    d.save_secs = 10.0
+    assert dl.Deadline.margin(d) == 24.0  # 2 steps
+    d.settings.margin_secs = 3.0
+    assert dl.Deadline.margin(d) == 3.0  # --job-end-margin-secs
+
+
+def test_the_largest_recent_step_counts_and_saves_are_no_steps(tmp_path):
+    clock = Clock(0.0)
+    d, _ = _deadline(tmp_path, clock)
+    d.begin()
+    for step in (1.0, 5.0, 1.0):
+        clock.t += step
+        d.should_stop()
+    assert d.step() == 5.0  # an evaluation or a slow step is not averaged away
+    clock.t += 30.0  # a save
+    d.saved(30.0, 3)
+    clock.t += 1.0
+    d.should_stop()
+    assert max(d.steps) == 5.0  # the save's 30 s did not enter the step window
+    for _ in range(dl.STEP_WINDOW):
+        clock.t += 1.0
+        d.should_stop()
+    assert d.step() == 1.0
+
+
+def test_a_measured_save_is_the_next_prediction_in_this_job_and_the_next(tmp_path):
+    clock = Clock(100.0)
+    d, lines = _deadline(tmp_path, clock, save_secs=1.0)
+    d.begin()
+    clock.t += 0.5
+    d.should_stop()
+    d.saved(8.2, 40)
+    assert d.save_secs == 8.2 and lines[-1] == "> checkpoint save took 8.2 s (predicted 1.0 s)"
+    kept = run_files.read_save_time(str(tmp_path))
+    assert kept["save_secs"] == 8.2 and kept["job"] == "77" and kept["iteration"] == 40 and kept["step_secs"] == 0.5
+    nxt = dl.predict_save(dl.DeadlineSettings(job_id="78", save_dir=str(tmp_path)), 10**9,
+                          rate=lambda *a: pytest.fail("no probe once a save was measured"))
+    assert (nxt.secs, nxt.source) == (8.2, "measured by job 77")
+    d2, lines2 = _deadline(tmp_path, clock, save_secs=nxt.secs)
+    assert d2.previous_step == 0.5  # the start line's iteration count uses the last job's step
+
+
+def test_before_any_save_the_prediction_is_bytes_over_a_probed_rate(tmp_path):
+    settings = dl.DeadlineSettings(job_id="1", save_dir=str(tmp_path / "not-yet" / "ckpt"))
+    probed = []
+    got = dl.predict_save(settings, 4 * 10**9, rate=lambda folder, n: probed.append((folder, n)) or 2e9)
+    assert got.secs == 2.0 and "4 GB per rank at 2 GB/s" in got.source
+    assert probed == [(settings.save_dir, dl.PROBE_MAX_BYTES)]
+    rate = dl.write_rate(str(tmp_path / "not-yet" / "ckpt"), 2**20)  # probes the nearest existing folder
+    assert rate and rate > 0 and list(tmp_path.iterdir()) == []  # and leaves nothing behind
+    assert dl.predict_save(dl.DeadlineSettings(job_id="1"), 10**9).source == "nothing to save (no --save)"
+
+
+def test_bytes_per_writer_splits_weights_over_tp_pp_and_optimizer_over_all():
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                       "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
+                       "--vocab-size", "256", "--bf16", "--tensor-model-parallel-size", "2", "--zero-stage", "1",
+                       "--lr", "1e-3", "--train-iters", "10"])
+    run = run_config_from_args(args, 8, 256)
+    from megatron.checkpointing.space import checkpoint_bytes
+
+    weights, total = checkpoint_bytes(run, False), checkpoint_bytes(run, True)
+    assert dl.bytes_per_writer(run, 8, True) == pytest.approx(weights / 2 + (total - weights) / 8, abs=1)
+    assert dl.bytes_per_writer(run, 8, False) == pytest.approx(weights / 2, abs=1)
+
+
+def test_the_signal_lead_warning(tmp_path):
+    _, lines = _deadline(tmp_path, Clock(), save_secs=400.0, lead=300.0)
+    assert lines == ["> warning: the predicted checkpoint save (400 s, estimated) is longer than the job's signal "
+                     "lead (300 s): a signal alone leaves no time to save; ask for #SBATCH --signal=B:USR1@510"]
+    _, quiet = _deadline(tmp_path, Clock(), save_secs=200.0, lead=300.0)
+    assert quiet == []
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--lr", "1e-3", "--train-iters", "10"]
+
+
+def test_settings_from_flags_and_the_job_environment():
+    run = run_config_from_args(parse_args(TINY + ["--job-end-margin-secs", "30", "--save", "/s", "--no-save-optim"]),
+                               1, 256)
+    s = dl.DeadlineSettings.from_run(run, {"SLURM_JOB_ID": "9", "SLURM_JOB_END_TIME": "1764150000",
+                                           "MEGATRON_SIGNAL_LEAD_SECS": "300"})
+    assert (s.job_id, s.end_time, s.margin_secs, s.save_dir, s.save_optimizer, s.signal_lead_secs) == (
+        "9", 1764150000.0, 30.0, "/s", False, 300.0)
+    assert dl.DeadlineSettings.from_run(run_config_from_args(parse_args(TINY), 1, 256), {}).job_id is None
+    with pytest.raises(Exception, match="--job-end-margin-secs"):
+        parse_args(["--job-end-margin-secs", "-1"])
+
+
+def test_squeue_end_time(monkeypatch):
+    outs = iter(["2026-11-26T14:00:05\n", "N/A\n", ""])
+    monkeypatch.setattr(dl.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=next(outs)))
+    want = time.mktime(time.strptime("2026-11-26T14:00:05", "%Y-%m-%dT%H:%M:%S"))
+    assert dl.squeue_end_time("5") == want
+    assert dl.squeue_end_time("5") is None and dl.squeue_end_time("5") is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError("squeue")
+
+    monkeypatch.setattr(dl.subprocess, "run", missing)
+    assert dl.squeue_end_time("5") is None
+
+
+def test_the_end_time_is_read_again_in_the_background(capsys):
+    answers = [2000.0]
+
+    def squeue(job: str) -> float:
+        return answers.pop(0) if answers else 2600.0
+
+    settings = dl.DeadlineSettings(job_id="5", reread_secs=0.05)  # no SLURM_JOB_END_TIME: squeue at start
+    end = dl.EndTime(settings, query=squeue)
+    try:
+        assert end.source == "squeue" and end.value in (2000.0, 2600.0)
+        deadline = time.monotonic() + 10
+        while end.value != 2600.0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert end.value == 2600.0  # scontrol update TimeLimit= moved the end
+        assert "> job 5's end moved to" in capsys.readouterr().out
+    finally:
+        end.close()
+
+
+def test_no_deadline_outside_slurm_or_off_rank_0(capsys, monkeypatch):
+    run = SimpleNamespace()
+    assert dl.start_deadline(dl.DeadlineSettings(job_id=None), run, 2, 0) is None
+    assert dl.start_deadline(dl.DeadlineSettings(job_id="5", end_time=END), run, 2, 1) is None
+    monkeypatch.setattr(dl, "squeue_end_time", lambda job: None)
+    assert dl.start_deadline(dl.DeadlineSettings(job_id="5"), run, 2, 0) is None
+    assert capsys.readouterr().out.count("end time unknown") == 1
+
+
+def test_the_verdict_rides_the_one_flags_all_reduce(monkeypatch, tmp_path):
+    """Rank 0's deadline adds one value to RunControl's reduce_host (MAX); there is no other collective. A rank
+    without a deadline contributes 0 and follows the agreed flag."""
+    from megatron.training.control import RunControl
+
+    sent = []
+    peer = {"ending": 0.0}
+
+    def reduce_host(values, *a, **k):  # two ranks: this one and a peer whose 5th value is peer["ending"]
+        sent.append(list(values))
+        return [max(v, peer["ending"]) if i == 4 else v for i, v in enumerate(values)]
+
+    monkeypatch.setattr(comm, "reduce_host", reduce_host)
+    collectives = []
+    for name in ("all_reduce", "broadcast", "all_gather", "barrier"):
+        monkeypatch.setattr(comm.dist, name, lambda *a, _n=name, **k: collectives.append(_n))
+    clock = Clock(END - 40)
+    d, _ = _deadline(tmp_path, clock, save_secs=10.0, margin=5.0)
+    rank0 = RunControl(None, None, None, max_nonfinite=3, saving=True, deadline=d)
+    other = RunControl(None, None, None, max_nonfinite=3, saving=True)
+    try:
+        d.begin()
+        decisions = []
+        for it in range(1, 20):
+            clock.t += 4.0
+            flags = rank0.exchange(1.0)
+            peer["ending"] = float(flags[4])
+            decisions.append((it, rank0.decide(it, flags), other.decide(it, other.exchange(1.0))))
+            if decisions[-1][1].exit:
+                break
+    finally:
+        rank0.close()
+        other.close()
+    it, mine, theirs = decisions[-1]
+    assert it == 6  # 4 s steps from END - 40: after the 6th, 16 s are left, and 4 + 10 + 5 do not fit
+    assert (mine.save, mine.exit) == (theirs.save, theirs.exit) == (True, True)
+    assert mine.reason.startswith("the job ends at") and theirs.reason == "the Slurm job's end is near"
+    assert all(len(v) == 5 for v in sent) and len(sent) == 2 * it  # one reduce per exchange, one value more
+    assert [v[4] for v in sent[::2]] == [0.0] * 5 + [1.0] and all(v[4] == 0.0 for v in sent[1::2])
+    assert collectives == []
+
+
+def test_run_files_roundtrip(tmp_path):
+    assert run_files.read_finished(str(tmp_path)) is None
+    path = run_files.write_finished(str(tmp_path), 40, 160, {"SLURM_JOB_ID": "12"})
+    assert json.loads(open(path).read())["iteration"] == 40 and run_files.read_finished(str(tmp_path))["job"] == "12"
+    (tmp_path / run_files.SAVE_TIME).write_text("{torn")
+    assert run_files.read_save_time(str(tmp_path)) is None
+
+
+def test_failure_records_and_the_hosts_to_exclude(tmp_path):
+    log = fr.FailureLog(str(tmp_path / "ckpt" / fr.FILE), "100")
+    log.write(3, "frontier00007", fr.LOST_RANK, "lost rank 3: no heartbeat for 61 s\nmore")
+    assert fr.hosts_to_exclude(fr.read_records(log.path)) == {}  # once, not hardware: perhaps our own bug
+    with open(log.path, "a") as f:
+        f.write("{torn line\n")
+    fr.FailureLog(log.path, "101").write(4, "frontier00007", fr.STUCK_RANK)
+    fr.FailureLog(log.path, "101").write(0, "frontier00002", fr.DEVICE_ERROR, "HIP error: uncorrectable ECC")
+    records = fr.read_records(log.path)
+    assert [(r.job, r.rank, r.host, r.cause) for r in records] == [
+        ("100", 3, "frontier00007", "lost_rank"), ("101", 4, "frontier00007", "stuck_rank"),
+        ("101", 0, "frontier00002", "device_error")]
+    assert records[0].detail == "lost rank 3: no heartbeat for 61 s"
+    assert fr.hosts_to_exclude(records) == {
+        "frontier00007": "2 failures (lost_rank, stuck_rank) in jobs 100, 101",
+        "frontier00002": "device_error in job 101"}
+    out = subprocess.run([sys.executable, "tools/campaign_nodes.py", log.path], capture_output=True, text=True,
+                         check=True).stdout
+    assert out == ("frontier00002\tdevice_error in job 101\n"
+                   "frontier00007\t2 failures (lost_rank, stuck_rank) in jobs 100, 101\n")
+    with pytest.raises(ValueError):
+        log.write(1, "h", "bad cause")
+    assert fr.device_error(RuntimeError("HIP error: hipErrorECCNotCorrectable")) and not fr.device_error(
+        RuntimeError("Connection closed by peer"))
+    assert fr.this_host({"SLURMD_NODENAME": "frontier01234"}) == "frontier01234"
