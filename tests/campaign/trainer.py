@@ -46,10 +46,11 @@ def _hooks() -> None:
 
 def main(argv: list[str]) -> None:
     import pretrain_gpt  # here, after the repository went on sys.path
-    from megatron.training.pretrain import Providers, pretrain
+    from megatron.training.pretrain import Providers
 
-    summary = pretrain(argv, Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
-                                       pretrain_gpt.forward_step, pretrain_gpt.vocab_size, pretrain_gpt.eod_token))
+    providers = Providers(pretrain_gpt.model_provider, pretrain_gpt.datasets_provider, pretrain_gpt.forward_step,
+                          pretrain_gpt.tokenizer_provider)
+    summary = pretrain_gpt.pretrain_from_flags(argv, providers)
     out = os.environ.get("TEST_RESULTS")
     if out:
         rank = os.environ.get("SLURM_PROCID", "0")
