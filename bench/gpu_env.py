@@ -13,9 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-# Dense bf16 tensor-core peaks (vendor datasheets), TFLOP/s per device. MI250X: one GCD (half a package).
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0, "MI250X": 191.5,
-                    "MI250": 181.0, "MI300X": 1307.4, "MI300A": 980.6}
+from megatron.perf.peaks import peak_by_name  # noqa: E402 (after REPO is on sys.path)
 
 
 def require_gpu(script: str) -> None:
@@ -47,9 +45,9 @@ def peak_tflops(override: float | None = None) -> tuple[float, str]:
     if override:
         return override, "--peak-tflops"
     name = device_name()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "MI250X" before "MI250"
-        if key in name:
-            return PEAK_BF16_TFLOPS[key], f"{key} bf16 dense datasheet peak"
+    known = peak_by_name(name)
+    if known is not None:
+        return known[1], f"{known[0]} bf16 dense datasheet peak"
     raise SystemExit(f"no known bf16 peak for device {name!r}: pass --peak-tflops")
 
 
