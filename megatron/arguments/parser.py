@@ -163,7 +163,8 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="START,END: the steps of this process to profile, counted from 1")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=None, help="ranks to profile (default: all)")
     g.add_argument("--peak-tflops", type=float, default=None,
-                   help="one device's peak for MFU (default: 191.5 on an MI250X GCD; measured on CPU)")
+                   help="one device's peak for MFU (default: its datasheet figure, 191.5 on an MI250X GCD; "
+                        "measured on CPU)")
     # Upstream Megatron-DeepSpeed's logging flags (megatron/config/log.py says what each does here).
     g.add_argument("--tensorboard-log-interval", type=int, default=1, help="write TensorBoard scalars every N iters")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,

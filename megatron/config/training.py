@@ -25,7 +25,8 @@ class TrainingConfig:
     log_interval: int = 100
     seed: int = 1234
     peak_tflops: float | None = None
-    """Peak of one device for MFU; default: 191.5 (MI250X GCD bf16) on GPUs, measured on CPU."""
+    """Peak of one device for MFU; default: the device's datasheet figure (megatron/perf/peaks.py: 191.5 for an
+    MI250X GCD in bf16), measured on CPU."""
 
     def grad_accumulation_steps(self, dp: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp)
