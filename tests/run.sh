@@ -32,7 +32,7 @@ fi
 report="$(mktemp "${TMPDIR:-/tmp}/skips.XXXXXX.json")"
 trap 'rm -f "$report"' EXIT
 set +e
-"$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --skip-report "$report" --durations=40 "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --skip-report="$report" --durations=40 "$@"
 rc=$?
 set -e
 skips_rc=0
