@@ -114,7 +114,7 @@ class Watchdog:
         self.store.set(f"where{self.rank}", json.dumps([ident.host, ident.gcd]))  # read only when naming this rank
         self.store.add(f"hb{self.rank}", 1)
         for target in (self._beat, self._guard):
-            t = threading.Thread(target=target, name=f"watchdog-{target.__name__}", daemon=True)
+            t = threading.Thread(target=target, name=f"watchdog{target.__name__}-{self.rank}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
