@@ -153,8 +153,9 @@ def _lost(missing: list[int], positions: dict[int, dict], world: int, hosts: dic
           tail: str) -> Verdict:
     named = ", ".join(_ident(r, None, hosts) for r in missing[:NAMED])
     more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
-    line = (f"lost rank {missing[0]}{'' if len(missing) == 1 else ' (and others)'}: {named}{more} did not answer the "
-            f"hang census within {census_wait:.0f} s (dead, or a thread of it holds Python's GIL)")
+    who = "it" if len(missing) == 1 else "they"
+    line = (f"lost {named}{more}: {who} did not answer the hang census within {census_wait:.0f} s (dead, or a thread "
+            "holds Python's GIL)")
     dump = [0] + [n for r in missing[:NAMED] for n in ((r - 1) % world, (r + 1) % world)]
     records = [(r, hosts.get(r, ("?", "?"))[0], LOST_RANK) for r in missing]
     return Verdict("lost", missing, line + tail, [r for r in _unique(dump, world) if r in positions], records)

@@ -61,7 +61,7 @@ def test_a_rank_that_does_not_answer_is_lost_and_a_failed_collective_is_said():
                1: pos(5, "backward", ("all_reduce", "2", 9), {"2": 9})}, 3, missing=[2],
               hosts={2: ("nid9", "3")}, census_wait=7)
     assert v.kind == "lost" and v.culprits == [2]
-    assert v.line.startswith("lost rank 2: rank 2 (host nid9, GCD 3) did not answer the hang census within 7 s")
+    assert v.line.startswith("lost rank 2 (host nid9, GCD 3): it did not answer the hang census within 7 s")
     assert "(rank 0's all_reduce failed first: Timed out waiting 15000ms for recv)" in v.line
     assert v.records == [(2, "nid9", "lost_rank")]
 
