@@ -55,6 +55,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     """
     quiet_deepspeed()
     if dist.is_initialized():
+        tracking.install(timedelta(minutes=timeout_minutes), track_collectives)
         return dist.get_rank(), dist.get_world_size()
     info = _discover(master_addr, master_port)
     rank, world_size, local_rank = info.rank, info.world_size, info.local_rank

@@ -31,8 +31,8 @@ from megatron.engine import build_ds_config, initialize_engine, is_pipeline, log
 from megatron.optim.schedule_config import micro_batch_plan
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
-from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.progress import PROGRESS, describe_out_of_memory, is_out_of_memory
+from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.evaluate import Evaluation, dp_mean
 from megatron.training.failure_record import OUT_OF_MEMORY, FailureLog

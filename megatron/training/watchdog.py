@@ -32,8 +32,7 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from megatron.config.runtime import RuntimeConfig
-from megatron.progress import (LONG_PHASES, PROGRESS, STARTUP_PHASES, Progress, describe_out_of_memory,
-                               is_out_of_memory)
+from megatron.progress import LONG_PHASES, PROGRESS, STARTUP_PHASES, Progress, describe_out_of_memory, is_out_of_memory
 from megatron.training.failure_record import LOST_RANK, FailureLog
 from megatron.training.hang_verdict import Verdict, judge
 

@@ -31,10 +31,10 @@ def test_model_that_cannot_fit_stops_before_building_then_a_forced_allocation_fa
     out = _run_capped(BIG)
     assert out.returncode == 2, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    m = re.fullmatch(r"error: the model does not fit: the memory model estimates ([\d.]+) GiB per rank \(worst pipeline "
-                     r"stage 0: .*\) and rank 0 \(host \S+, GCD -\) can hold ([\d.]+) GiB \(ulimit -v 3.81 GiB, less "
-                     r"[\d.]+ GiB already mapped\); no single or paired change .* fits on 1 rank\(s\): use more nodes "
-                     r"\(--skip-memory-check builds it anyway\)", last)
+    m = re.fullmatch(r"error: the model does not fit: the memory model estimates ([\d.]+) GiB per rank \(worst "
+                     r"pipeline stage 0: .*\) and rank 0 \(host \S+, GCD -\) can hold ([\d.]+) GiB \(ulimit -v "
+                     r"3.81 GiB, less [\d.]+ GiB already mapped\); no single or paired change .* fits on 1 "
+                     r"rank\(s\): use more nodes \(--skip-memory-check builds it anyway\)", last)
     assert m and float(m.group(1)) > 3 * float(m.group(2)), last
     assert "built GPTModel" not in out.stdout and "Traceback" not in out.stderr
 
@@ -43,8 +43,8 @@ def test_model_that_cannot_fit_stops_before_building_then_a_forced_allocation_fa
     assert out.returncode == 3, out.stderr[-3000:]
     assert "> WARNING: the memory model estimates" in out.stdout
     last = out.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: rank 0 \(host \S+, GCD -\) ran out of host memory in setup: .*can't allocate memory.*; "
-                        r"lower --micro-batch-size, raise --zero-stage, .*", last), last
+    assert re.fullmatch(r"error: rank 0 \(host \S+, GCD -\) ran out of host memory in setup: .*can't allocate "
+                        r"memory.*; lower --micro-batch-size, raise --zero-stage, .*", last), last
     assert "Traceback" not in out.stderr and len([x for x in out.stderr.splitlines() if x.startswith("error:")]) == 1
     record = open(os.path.join(save, "failures.jsonl")).read()
     assert '"cause": "out_of_memory"' in record and '"rank": 0' in record

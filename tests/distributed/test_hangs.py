@@ -215,7 +215,8 @@ def test_straggler_named_after_uniform_iterations_long_save_and_first_iteration(
     log = outcomes[0].output
     named = [x for x in log.splitlines() if "straggler: rank" in x]
     assert len(named) == 1 and re.match(r"> WARNING: straggler: rank 2 \(host \S+, GCD -\): its own work", named[0])
-    reports = re.findall(r"> stragglers, iterations \d+-(\d+): .*? slowest: rank \d+ \(host \S+, GCD -\) ([\d.]+)x", log)
+    reports = re.findall(r"> stragglers, iterations \d+-(\d+): .*? slowest: rank \d+ \(host \S+, GCD -\) "
+                         r"([\d.]+)x", log)
     assert len(reports) >= 40 and int(reports[0][0]) == 7, reports[:3]
     uniform = [float(x) for it, x in reports if int(it) <= 200]
     print(f"uniform iterations: slowest rank at most {max(uniform):.2f}x the median (median of the slowest: "
