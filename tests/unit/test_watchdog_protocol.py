@@ -4,6 +4,7 @@ that stopped moving, its stack file and its failure record, when no rank moves f
 
 import glob
 import json
+import re
 import threading
 import time
 from datetime import timedelta
@@ -30,27 +31,46 @@ class CountingStore:
         return call
 
 
-def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
-    world, port = 3, free_port()
-    master = tdist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    died: dict[str, str] = {}
+class Ranks:
+    """``world`` in-process ranks: a progress record and a watchdog each, on one real TCPStore; ``died`` collects the
+    line each watchdog thread would exit the process with (that rank's watchdog stops instead)."""
 
-    def die(msg):  # the real one exits the process: here the "rank"'s watchdog stops instead
+    def __init__(self, world: int, tmp_path, monkeypatch) -> None:
+        port = free_port()
+        self.master = tdist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10),
+                                     wait_for_workers=False)
+        self.died: dict[str, str] = {}
+        monkeypatch.setattr(wd, "_die", self._die)
+        self.dogs, self.progress = [], []
+        for r in range(world):
+            p = Progress()
+            p.identity = Identity(r, f"node{r}", str(r))
+            p.start_iteration(7)  # past the warm-up: the normal allowance applies
+            p.first_iteration = 1
+            self.progress.append(p)
+            settings = wd.WatchdogSettings(30.0, 1.0, 100.0, 100.0, 60.0, str(tmp_path),
+                                           FailureLog.in_folder(str(tmp_path)))
+            self.dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p))
+
+    def _die(self, msg: str) -> None:
         name = threading.current_thread().name
-        died[name] = msg
-        dogs[int(name.rsplit("-", 1)[1])]._stop.set()
+        self.died[name] = msg
+        self.dogs[int(name.rsplit("-", 1)[1])]._stop.set()
 
-    monkeypatch.setattr(wd, "_die", die)
-    dogs, progress = [], []
-    for r in range(world):
-        p = Progress()
-        p.identity = Identity(r, f"node{r}", str(r))
-        p.start_iteration(7)  # past the warm-up: the normal allowance applies
-        p.first_iteration = 1
-        progress.append(p)
-        settings = wd.WatchdogSettings(30.0, 1.0, 100.0, 100.0, 60.0, str(tmp_path),
-                                       FailureLog.in_folder(str(tmp_path)))
-        dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p))
+    def wait(self, count: int, seconds: float = 40) -> None:  # ~3 s on an idle machine
+        deadline = time.monotonic() + seconds
+        while len(self.died) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for d in self.dogs:
+            d._stop.set()
+
+
+def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
+    world = 3
+    ranks = Ranks(world, tmp_path, monkeypatch)
+    dogs, progress, died = ranks.dogs, ranks.progress, ranks.died
     try:
         for d in dogs:
             d.start()
@@ -73,12 +93,9 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypat
             before = progress[1].enter_collective("all_reduce", "0")
             progress[1].leave_collective(before)
         progress[1].enter("data")
-        deadline = time.monotonic() + 40  # ~3 s on an idle machine
-        while len(died) < world and time.monotonic() < deadline:
-            time.sleep(0.1)
+        ranks.wait(world)
     finally:
-        for d in dogs:
-            d._stop.set()
+        ranks.stop()
     lines = {name: msg for name, msg in died.items() if name.startswith("watchdog_beat")}
     assert len(lines) == world, died  # the beat threads, not the guards (the store never went silent)
     line = lines["watchdog_beat-0"]
@@ -91,4 +108,20 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypat
     assert "test_watchdog_protocol.py" in text and text.count("Thread 0x") >= 3, text  # every thread's stack
     records = [json.loads(x) for x in open(tmp_path / "failures.jsonl")]
     assert [(r["rank"], r["host"], r["cause"]) for r in records] == [(1, "node1", "stuck_rank")]
-    del master
+
+
+def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path, monkeypatch):
+    ranks = Ranks(2, tmp_path, monkeypatch)
+    try:
+        for d in ranks.dogs:
+            d.start()
+        ranks.progress[1].enter("backward")
+        ranks.dogs[1].on_error(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                                            "memory: you tried to allocate 4096 bytes"))
+        ranks.wait(1)
+        time.sleep(3 * ranks.dogs[0].interval)  # rank 1 must not exit through its own request
+    finally:
+        ranks.stop()
+    assert list(ranks.died) == ["watchdog_beat-0"], ranks.died
+    assert re.fullmatch(r"rank 1 \(host node1, GCD 1\) ran out of host memory in backward at iteration 7: \[enforce "
+                        r"fail .*; every rank exits", ranks.died["watchdog_beat-0"]), ranks.died
