@@ -35,7 +35,7 @@ class Ranks:
     """``world`` in-process ranks: a progress record and a watchdog each, on one real TCPStore; ``died`` collects the
     line each watchdog thread would exit the process with (that rank's watchdog stops instead)."""
 
-    def __init__(self, world: int, tmp_path, monkeypatch) -> None:
+    def __init__(self, world: int, tmp_path, monkeypatch, timeout: float = 30.0, hang_timeout: float = 1.0) -> None:
         port = free_port()
         self.master = tdist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10),
                                      wait_for_workers=False)
@@ -48,7 +48,7 @@ class Ranks:
             p.start_iteration(7)  # past the warm-up: the normal allowance applies
             p.first_iteration = 1
             self.progress.append(p)
-            settings = wd.WatchdogSettings(30.0, 1.0, 100.0, 100.0, 60.0, str(tmp_path),
+            settings = wd.WatchdogSettings(timeout, hang_timeout, 100.0, 100.0, 60.0, str(tmp_path),
                                            FailureLog.in_folder(str(tmp_path)))
             self.dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p))
 
@@ -63,8 +63,12 @@ class Ranks:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        """Before the monkeypatch of ``_die`` is undone: the real one would end pytest."""
         for d in self.dogs:
             d._stop.set()
+        for d in self.dogs:
+            for t in d._threads:
+                t.join(timeout=10)
 
 
 def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
@@ -111,7 +115,7 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypat
 
 
 def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path, monkeypatch):
-    ranks = Ranks(2, tmp_path, monkeypatch)
+    ranks = Ranks(2, tmp_path, monkeypatch, timeout=3.0, hang_timeout=0)  # no hang verdict may come first
     try:
         for d in ranks.dogs:
             d.start()
