@@ -81,7 +81,8 @@ class Progress:
         """Phase -> seconds spent in it since the start; time inside collectives goes to ``COMM``."""
         self.first_iteration: int | None = None
         self.step_seconds: deque[float] = deque(maxlen=8)
-        """Durations of the last iterations (start to start): what the automatic hang timeout scales."""
+        """Durations of the last training steps (saves, evaluations and logging left out): what the automatic hang
+        timeout scales."""
         self._iteration_start: float | None = None
 
     def _charge(self, now: float) -> Position:
@@ -100,11 +101,15 @@ class Progress:
         now = time.monotonic()
         if self.first_iteration is None:
             self.first_iteration = iteration
-        if self._iteration_start is not None:
-            self.step_seconds.append(now - self._iteration_start)
         self._iteration_start = now
         self._charge(now)
         self.position = Position(iteration, "step", now)
+
+    def end_step(self) -> None:
+        """The step (and its flags exchange) is done; what follows is logging (phase "log")."""
+        if self._iteration_start is not None:
+            self.step_seconds.append(time.monotonic() - self._iteration_start)
+        self.enter("log")
 
     def enter_collective(self, op: str, group: str) -> Position:
         """Entering collective ``op`` of ``group``; returns the position to hand to ``leave_collective``."""

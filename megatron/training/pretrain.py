@@ -204,7 +204,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
         profiler.end()
-        PROGRESS.enter("log")
+        PROGRESS.end_step()
         stragglers.after_iteration(it)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters

@@ -189,7 +189,7 @@ class Watchdog:
     def _guard(self) -> None:
         while not self._stop.wait(self.interval):
             silent = time.monotonic() - self._last_ok
-            if silent > self.timeout + self.census_wait + 2 * self.interval and not self._stop.is_set():
+            if silent > self.timeout + 2 * self.interval and not self._stop.is_set():
                 _die(f"lost rank 0: its rendezvous store at {self.host}:{self.port} has not answered for "
                      f"{silent:.0f} s; rank {self.rank} exits")
 

@@ -115,7 +115,7 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypat
 
 
 def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path, monkeypatch):
-    ranks = Ranks(2, tmp_path, monkeypatch, timeout=3.0, hang_timeout=0)  # no hang verdict may come first
+    ranks = Ranks(2, tmp_path, monkeypatch, timeout=6.0, hang_timeout=0)  # no hang verdict may come first
     try:
         for d in ranks.dogs:
             d.start()
@@ -129,3 +129,21 @@ def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path, monke
     assert list(ranks.died) == ["watchdog_beat-0"], ranks.died
     assert re.fullmatch(r"rank 1 \(host node1, GCD 1\) ran out of host memory in backward at iteration 7: \[enforce "
                         r"fail .*; every rank exits", ranks.died["watchdog_beat-0"]), ranks.died
+
+
+def test_allowances_and_the_automatic_hang_timeout():
+    p = Progress()
+    settings = wd.WatchdogSettings(60.0, None, 900.0, 700.0, 600.0, "/tmp")
+    dog = wd.Watchdog(0, 75_000, settings, "127.0.0.1", 1, progress=p)
+    assert dog.interval == 11.25  # 3 store operations x 75,000 ranks per beat <= 20,000 per second
+    assert dog.allowance("setup", 0) == 700.0 and dog.allowance("load", 0) == 700.0
+    p.start_iteration(41)  # a resumed job: its first two iterations are the warm-up
+    p.end_step()
+    assert dog.allowance("forward", 42) == 700.0 and dog.allowance("save", 43) == 900.0
+    assert dog.allowance("forward", 43) == 30.0  # a fast step: the 30 s floor
+    p.step_seconds.extend([20.0, 9.0])
+    assert dog.allowance("backward", 50) == 100.0  # 5 x the slowest recent step
+    p.step_seconds.append(200.0)
+    assert dog.hang_timeout() == 480.0  # capped at 0.8 x the collective timeout
+    dog.s.hang_timeout = 45.0
+    assert dog.allowance("backward", 50) == 45.0 and wd.beat_interval(60.0, 3.0, 4) == 0.5
