@@ -28,6 +28,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.ulysses import sequence_slices
 from megatron.data.num_samples import train_valid_test_num_samples
 from megatron.engine import build_ds_config, initialize_engine, is_pipeline, log_notes
+from megatron.errors import MegatronError
 from megatron.optim.schedule_config import micro_batch_plan
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
@@ -94,7 +95,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
-    watchdog, failed = None, False
+    watchdog, failed, together = None, False, True
     try:
         watchdog = start_watchdog(WatchdogSettings.from_runtime(rt, run.checkpoint.save))
         check_memory(run, pstate, ranks.local_world_size)  # one line, before anything is allocated
@@ -114,6 +115,8 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
         return _train(run, pstate, engine, providers, tokenizer, resume, eod)
     except BaseException as e:
         failed = True
+        # A MegatronError not marked every_rank is raised by every rank at the same point: they can still meet.
+        together = isinstance(e, MegatronError) and not e.every_rank
         if isinstance(e, Exception) and is_out_of_memory(e):  # errors.run_cli prints the same line
             failures = FailureLog.in_folder(run.checkpoint.save)
             if failures is not None:
@@ -124,7 +127,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     finally:
         if watchdog is not None:
             watchdog.stop(clean=not failed)
-        initialize.shutdown(barrier=not failed)
+        initialize.shutdown(barrier=together)
 
 
 def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
