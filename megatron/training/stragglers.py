@@ -34,8 +34,8 @@ COLUMNS = (*WORK_PHASES, COMM, "iterations", "wall", "gather")
 
 class StragglerDetector:
     def __init__(self, rt: RuntimeConfig, rank: int, world: int, first_iteration: int, writer=None,
-                 failures: FailureLog | None = None, progress: Progress = PROGRESS) -> None:
-        """Collective (one all-gather of every rank's host and GCD) when enabled."""
+                 failures: FailureLog | None = None, progress: Progress = PROGRESS, idents: list | None = None) -> None:
+        """Collective when enabled: one all-gather of every rank's (rank, host, GCD), unless ``idents`` gives them."""
         self.auto = rt.straggler_interval is None
         self.interval = AUTO_INTERVAL if self.auto else rt.straggler_interval
         self.factor, self.needed = rt.straggler_factor, rt.straggler_reports
@@ -51,7 +51,9 @@ class StragglerDetector:
         self._last_it = self.baseline_at
         self._last_wall = 0.0
         self._gather_s = 0.0
-        self.idents = comm.all_gather_object(tuple(progress.identity)) if self.enabled else []
+        if idents is None:
+            idents = comm.all_gather_object(tuple(progress.identity)) if self.enabled else []
+        self.idents = idents
         """Every rank's (rank, host, GCD)."""
 
     def _mark(self, it: int) -> None:
