@@ -27,6 +27,7 @@ from megatron.errors import ConfigError
 from megatron.optim.grad_norm import grad_norm
 from megatron.optim.lr_schedule import OptimizerParamScheduler
 from megatron.optim.optimizer import make_optimizer, param_groups
+from megatron.progress import PROGRESS
 
 NOTES_KEY = "megatron_notes"  # log lines for rank 0, stripped before DeepSpeed sees the config
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepspeed_configs")
@@ -275,7 +276,32 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            mpu=None if pipeline else pstate, config=ds_config)
+    if pipeline:
+        _track_pipeline_phases(engine)
     return engine
+
+
+# DeepSpeed's 1F1B schedule instructions, under the names the progress record gives them (the hang verdict and the
+# straggler report read these phases; the plain engine's are set by megatron/training/step.py).
+_PIPE_PHASES = {"LoadMicroBatch": "data", "ForwardPass": "forward", "BackwardPass": "backward",
+                "SendActivation": "send activation", "RecvActivation": "recv activation", "SendGrad": "send grad",
+                "RecvGrad": "recv grad", "ReduceGrads": "reduce grads", "ReduceTiedGrads": "reduce tied grads",
+                "OptimizerStep": "optimizer"}
+
+
+def _track_pipeline_phases(engine) -> None:
+    """Each schedule instruction enters its phase before it runs: an instance copy of the engine class's
+    instruction map (``_exec_schedule`` reads ``self._INSTRUCTION_MAP``)."""
+
+    def tracked(phase: str, fn):
+        def run(self, *args, **kwargs):
+            PROGRESS.enter(phase)
+            return fn(self, *args, **kwargs)
+
+        return run
+
+    engine._INSTRUCTION_MAP = {kind: tracked(_PIPE_PHASES.get(kind.__name__, kind.__name__), fn)
+                               for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
 
 
 def is_pipeline(engine) -> bool:

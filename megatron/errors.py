@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from megatron.progress import describe_out_of_memory, is_out_of_memory
+
 # Where each launcher puts a process's global rank, in the order topology.discover_ranks trusts them:
 # torchrun, then MPI (mpirun inside a Slurm allocation leaves every task with SLURM_PROCID=0), then Slurm.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -46,6 +48,10 @@ class DistributedError(MegatronError):
     """A lost peer, a collective timeout, or a rank layout that cannot be discovered."""
 
 
+OUT_OF_MEMORY_EXIT_CODE = 3
+"""An allocation failed (host or device): a fault of the run, like the watchdog's verdicts (exit 3)."""
+
+
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's global rank from the launcher's environment alone (no process group, no mpi4py):
     usable by the very first error. An unset or unparsable variable counts as rank 0 (a single process)."""
@@ -65,7 +71,8 @@ def warn_once(message: str) -> None:
 
 def run_cli(main, argv=None) -> int:
     """Call ``main(argv)``; turn a MegatronError into one line on stderr (once per job) and its exit code
-    on every rank."""
+    on every rank, and an out-of-memory error (host or device) into one line naming the rank, host, GCD and phase
+    (on each rank that hit it), without a traceback."""
     import sys
 
     try:
@@ -74,4 +81,9 @@ def run_cli(main, argv=None) -> int:
         if e.every_rank or launcher_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        print(f"error: {describe_out_of_memory(e)}", file=sys.stderr, flush=True)
+        return OUT_OF_MEMORY_EXIT_CODE
     return 0 if rc is None else int(rc)

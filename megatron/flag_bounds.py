@@ -114,6 +114,12 @@ BOUNDS: dict[str, Bound] = {
     "job_end_margin_secs": Bound(0, WEEK_S),
     "max_nonfinite_loss_iters": Bound(1, ITERS),
     "watchdog_timeout_secs": Bound(0, WEEK_S, {0: "disables the watchdog"}, open="lo"),
+    "hang_timeout": Bound(0, WEEK_S, {0: "disables hang detection"}, open="lo"),  # < the collective timeout
+    "hang_timeout_save": Bound(0, WEEK_S, open="lo"),
+    "hang_timeout_startup": Bound(0, WEEK_S, open="lo"),
+    "straggler_interval": Bound(1, ITERS, {0: "disables straggler reports"}),
+    "straggler_factor": Bound(1, 1000, open="lo"),                    # 1 would name half of a healthy job
+    "straggler_reports": Bound(1, 10**6),
     # flags added with the upstream-compatibility work
     "ds_sequence_parallel_size": Bound(1, 2**16),                     # sanity; divides the world and the heads
     "master_port": Bound(1, 65535),

@@ -16,7 +16,9 @@ from megatron import rendezvous, topology
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import set_seeds
+from megatron.core import tracking
 from megatron.errors import DistributedError
+from megatron.progress import PROGRESS, Identity, this_gcd, this_host
 from megatron.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
 
@@ -39,16 +41,21 @@ def quiet_deepspeed() -> None:
 
 def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0, master_addr: str | None = None,
                            master_port: int | None = None,
-                           rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S) -> tuple[int, int]:
+                           rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+                           track_collectives: bool = True) -> tuple[int, int]:
     """Create the default process group (idempotent). Returns (rank, world_size).
 
     ``backend`` None means the accelerator's own (gloo on CPU, nccl = RCCL on ROCm). The timeout
     bounds every collective, so a dead or stuck peer becomes an error instead of a hang. Meeting rank 0
     (the c10d store at master_addr:master_port) is bounded by ``rendezvous_timeout_secs`` instead: an
     address where nothing listens is one line within that time, not torch's 10 minutes of retries.
+
+    Every later process group (ours and DeepSpeed's) gets the same timeout, and with ``track_collectives`` every
+    collective records where this rank waits (megatron/core/tracking.py, read by the hang watchdog).
     """
     quiet_deepspeed()
     if dist.is_initialized():
+        tracking.install(timedelta(minutes=timeout_minutes), track_collectives)
         return dist.get_rank(), dist.get_world_size()
     info = _discover(master_addr, master_port)
     rank, world_size, local_rank = info.rank, info.world_size, info.local_rank
@@ -76,6 +83,9 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
             "check MASTER_ADDR/MASTER_PORT and that every rank was launched",
             every_rank=True,  # the ranks that could not join may not include rank 0
         ) from e
+    tracking.install(timeout, track_collectives)
+    gcd = "-" if acc.device_name() == "cpu" else this_gcd(local_rank, acc.device_count())
+    PROGRESS.identity = Identity(rank, this_host(), gcd)
     return rank, world_size
 
 
@@ -110,20 +120,24 @@ def _device_id_kwargs(acc, local_rank: int, world_size: int) -> dict:
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None,
                         timeout_minutes: float = 10.0, master_addr: str | None = None, master_port: int | None = None,
-                        rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, sp: int = 1) -> ParallelState:
+                        rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, sp: int = 1,
+                        track_collectives: bool = True) -> ParallelState:
     """Process group + parallel groups + seeds; registers and returns the ParallelState."""
-    initialize_distributed(backend, timeout_minutes, master_addr, master_port, rendezvous_timeout_secs)
+    initialize_distributed(backend, timeout_minutes, master_addr, master_port, rendezvous_timeout_secs,
+                           track_collectives)
     state = ParallelState.build(tp, pp, sp_size=sp)
     parallel_state.set_parallel_state(state)
     set_seeds(seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank)
     return state
 
 
-def shutdown() -> None:
-    """Barrier then destroy the process group: exiting without it aborts ~1 run in 5 under gloo."""
+def shutdown(barrier: bool = True) -> None:
+    """Barrier then destroy the process group: exiting without it aborts ~1 run in 5 under gloo. ``barrier=False``
+    after an error: the peers may be gone or stuck, and a failing barrier would replace the error being raised."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if barrier:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
     parallel_state.set_parallel_state(None)

@@ -11,8 +11,11 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import sys
 import tempfile
+import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -87,3 +90,59 @@ def run_distributed(fn, world_size: int, timeout: float = 300.0, **kwargs) -> li
                 raise RuntimeError(f"rank {r} failed:\n{rec['error']}")
             results.append(rec["result"])
         return results
+
+
+@dataclass
+class Outcome:
+    """How one rank of ``run_to_exit`` ended."""
+
+    exitcode: int | None
+    """None: still running at the timeout (then killed)."""
+    output: str
+    """Its stdout and stderr, in one file."""
+    result: object
+    """What ``fn`` returned (None when it did not return)."""
+    error: str | None
+    """The traceback of what ``fn`` raised."""
+    ended: float
+    """time.time() when the parent saw it gone."""
+
+
+def _logged_entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    _entry(fn, rank, world, port, out_dir, dict(kwargs, out_dir=out_dir))
+
+
+def run_to_exit(fn, world_size: int, timeout: float = 300.0, **kwargs) -> list[Outcome]:
+    """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` spawned ranks that may end by exiting (the watchdog's
+    os._exit): each rank's exit code, output and result, never raising for a rank's failure."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_logged_entry, args=(fn, r, world_size, port, out_dir, kwargs))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        ended: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(ended) < world_size and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.time()
+            time.sleep(0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        out = []
+        for r, p in enumerate(procs):
+            with open(os.path.join(out_dir, f"rank{r}.log")) as f:
+                text = f.read()
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            rec = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+            out.append(Outcome(p.exitcode if r in ended else None, text, rec.get("result"), rec.get("error"),
+                               ended.get(r, time.time())))
+        return out

@@ -271,7 +271,25 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-nonfinite-loss-iters", type=int, default=3,
                    help="stop after this many consecutive NaN/Inf-loss iterations (nothing is saved meanwhile)")
     g.add_argument("--watchdog-timeout-secs", type=float, default=60.0,
-                   help="exit every rank when one stops its heartbeat for this long (0 disables)")
+                   help="exit every rank when one stops its heartbeat for this long (0 disables the watchdog, "
+                        "hang detection included)")
+    g.add_argument("--hang-timeout", type=float, default=None,
+                   help="seconds without any rank moving before every rank exits naming the stuck one (default: "
+                        "5 x the slowest recent step, at least 30 s, below the collective timeout; 0 disables)")
+    g.add_argument("--hang-timeout-save", type=float, default=None,
+                   help="the hang allowance while saving a checkpoint (default: the collective timeout)")
+    g.add_argument("--hang-timeout-startup", type=float, default=None,
+                   help="the hang allowance while building, loading and in the first two iterations (default: the "
+                        "collective timeout)")
+    g.add_argument("--straggler-interval", type=int, default=None,
+                   help="iterations between straggler reports (default: 100, more when the report's all-gather "
+                        "would cost over 0.5%% of the steps; 0 disables)")
+    g.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="a rank whose own work per iteration exceeds this x the median ...")
+    g.add_argument("--straggler-reports", type=int, default=3,
+                   help="... in this many reports in a row is named a straggler (once)")
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="build the model even when the memory model's estimate exceeds what a rank can hold")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,6 @@
 """How the run meets its processes and its end: rendezvous and collective timeouts, run control (exit interval,
-wall time, kill switch, persistent NaN), the dead-rank watchdog, and the DeepSpeed JSON the engine starts from."""
+wall time, kill switch, persistent NaN), the watchdog (dead and stuck ranks), straggler reports, the memory check
+before the model is built, and the DeepSpeed JSON the engine starts from."""
 
 from __future__ import annotations
 
@@ -26,14 +27,43 @@ class RuntimeConfig:
     kill_switch_file: str | None = None
     max_nonfinite_loss_iters: int = 3
     watchdog_timeout_secs: float = 60.0
-    """0 disables the watchdog."""
+    """0 disables the watchdog (dead ranks and stuck ranks alike)."""
+    hang_timeout: float | None = None
+    """--hang-timeout: seconds without any rank moving (phase or collective) before the hang verdict. None: automatic
+    (5 x the slowest recent step, at least 30 s, below the collective timeout); 0: no hang detection."""
+    hang_timeout_save: float | None = None
+    """--hang-timeout-save: the allowance while saving a checkpoint (None: the collective timeout)."""
+    hang_timeout_startup: float | None = None
+    """--hang-timeout-startup: the allowance while building, loading and for the first iterations (compile, warm-up);
+    None: the collective timeout."""
+    straggler_interval: int | None = None
+    """--straggler-interval: iterations between straggler reports (one small all-gather). None: automatic (100, or
+    more when the all-gather would cost 0.5% of the steps); 0: off."""
+    straggler_factor: float = 1.5
+    """A rank whose own work per iteration (data, forward, backward, optimizer; not its waits) exceeds this x the
+    median in ``straggler_reports`` reports in a row is named a straggler, once."""
+    straggler_reports: int = 3
+    skip_memory_check: bool = False
+    """--skip-memory-check: build the model even when the memory model says it cannot fit."""
+
+    @property
+    def collective_timeout_s(self) -> float:
+        return 60.0 * self.distributed_timeout_minutes
 
     def validate(self) -> RuntimeConfig:
         check_fields(self, {f: "--" + f.replace("_", "-") for f in (
             "distributed_timeout_minutes", "master_port", "rendezvous_timeout_secs", "exit_interval",
-            "exit_duration_in_mins", "job_end_margin_secs", "max_nonfinite_loss_iters", "watchdog_timeout_secs")})
+            "exit_duration_in_mins", "job_end_margin_secs", "max_nonfinite_loss_iters", "watchdog_timeout_secs",
+            "hang_timeout",
+            "hang_timeout_save", "hang_timeout_startup", "straggler_interval", "straggler_factor",
+            "straggler_reports")})
         if self.distributed_backend not in (None, "nccl", "gloo", "ccl", "mpi"):
             raise ConfigError(f"--distributed-backend {self.distributed_backend!r}: choose nccl, gloo, ccl or mpi")
+        if self.hang_timeout and self.hang_timeout >= self.collective_timeout_s:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout:g}: must be below the collective timeout "
+                              f"(--distributed-timeout-minutes {self.distributed_timeout_minutes:g} = "
+                              f"{self.collective_timeout_s:g} s), or the collectives time out first; lower it or "
+                              "raise --distributed-timeout-minutes")
         return self
 
 

@@ -18,6 +18,8 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron.core.tracking import tracked_call
+
 # Observers called as fn(op_name, tensor_bytes, group) before each collective; used by byte counters.
 _observers: list[Callable[[str, int, object], None]] = []
 
@@ -109,7 +111,7 @@ def all_gather_object(obj, group=None) -> list:
     device: initialize_distributed calls ``set_device(local_rank)`` before creating the process group, so
     that is this rank's own device and not device 0 for every rank."""
     out = [None] * world_size(group)
-    torch.distributed.all_gather_object(out, obj, group=group)
+    tracked_call("all_gather_object", torch.distributed.all_gather_object, out, obj, group=group)
     return out
 
 

@@ -16,6 +16,7 @@ from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import DataError
+from megatron.progress import PROGRESS
 from megatron.training.log import print_rank0
 from megatron.training.pipe_step import pipe_evaluate_batch, pipe_microbatches
 from megatron.training.step import set_num_microbatches
@@ -48,6 +49,7 @@ def evaluate(engine, data, run: RunConfig, pstate: ParallelState, forward_step, 
             if verbose and i % log_interval == 0:
                 print_rank0(f"Evaluating iter {i}/{iters}", rank)
             for _ in range(gas):
+                PROGRESS.enter("eval")  # a move per batch: a long evaluation is no hang
                 total = total + forward_step(engine, next(data)).float()  # summed on the device: no sync per batch
                 n += 1
     engine.train()

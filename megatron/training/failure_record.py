@@ -3,23 +3,27 @@
 
 One line, keys sorted: ``{"cause": "lost_rank", "detail": "...", "host": "frontier01234", "job": "1234567",
 "rank": 17, "time": 1764150000.0}``. ``cause`` is one of ``CAUSES``; the hardware ones exclude a host after a
-single record, the others after ``REPEATS`` records. Stdlib only: the batch shell reads it with any Python.
+single record, the others (but the run's own: out of memory, a collective hang) after ``REPEATS`` records. Stdlib
+only: the batch shell reads it with any Python.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+
 FILE = "failures.jsonl"
 LOST_RANK, STUCK_RANK, DEVICE_ERROR, NODE_FAILURE = "lost_rank", "stuck_rank", "device_error", "node_failure"
-CAUSES = (LOST_RANK, STUCK_RANK, DEVICE_ERROR, NODE_FAILURE)
+COLLECTIVE_HANG, OUT_OF_MEMORY, STRAGGLER = "collective_hang", "out_of_memory", "straggler"
+CAUSES = (LOST_RANK, STUCK_RANK, DEVICE_ERROR, NODE_FAILURE, COLLECTIVE_HANG, OUT_OF_MEMORY, STRAGGLER)
 HARDWARE = frozenset({DEVICE_ERROR, NODE_FAILURE})
 """Causes that mark the node itself: one record is enough to keep the next job away from it."""
+THE_RUN = frozenset({OUT_OF_MEMORY, COLLECTIVE_HANG})
+"""Causes that say nothing about the host (the layout does not fit; every rank waits in one collective)."""
 REPEATS = 2
 """Records of another cause on one host before the host is excluded (one may be the job's own bug)."""
 
@@ -43,11 +47,6 @@ class FailureRecord:
     """One of ``CAUSES``."""
     detail: str = ""
     """The one line the job's log has for it."""
-
-
-def this_host(environ: Mapping[str, str] = os.environ) -> str:
-    """This process's node as Slurm names it (``SLURMD_NODENAME``: what ``ExcNodeList`` takes), else the hostname."""
-    return environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def hosts_to_exclude(records: list[FailureRecord]) -> dict[str, str]:
     out: dict[str, str] = {}
     by_host: dict[str, list[FailureRecord]] = {}
     for r in records:
-        if r.host and r.host != "?":
+        if r.host and r.host != "?" and r.cause not in THE_RUN:
             by_host.setdefault(r.host, []).append(r)
     for host, recs in by_host.items():
         hardware = [r for r in recs if r.cause in HARDWARE]

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
@@ -30,26 +29,30 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.ulysses import sequence_slices
 from megatron.data.num_samples import train_valid_test_num_samples
 from megatron.engine import build_ds_config, initialize_engine, is_pipeline, log_notes
+from megatron.errors import MegatronError
 from megatron.optim.schedule_config import micro_batch_plan
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
+from megatron.progress import PROGRESS, describe_out_of_memory, is_out_of_memory
 from megatron.training.batches import eod_loss_mask, microbatches
 from megatron.training.control import RunControl
 from megatron.training.deadline import DeadlineSettings, start_deadline
 from megatron.training.evaluate import Evaluation, dp_mean
-from megatron.training.failure_record import DEVICE_ERROR, FailureLog, device_error, this_host
+from megatron.training.failure_record import DEVICE_ERROR, OUT_OF_MEMORY, FailureLog, device_error
 from megatron.training.layout_report import layout_report, model_features
-from megatron.training.run_files import write_finished
 from megatron.training.log import TrainingLogger, print_rank0
+from megatron.training.memory_check import check_memory
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
 from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 from megatron.training.profiler import StepProfiler
+from megatron.training.run_files import write_finished
 from megatron.training.step import set_num_microbatches, train_step
+from megatron.training.stragglers import StragglerDetector
 from megatron.training.tensorboard import open_writer, write_optimizer_stats
 from megatron.training.timers import Timers
 from megatron.tokenizer import Vocabulary
-from megatron.training.watchdog import start_watchdog
+from megatron.training.watchdog import WatchdogSettings, start_watchdog
 
 
 @dataclass
@@ -85,15 +88,20 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     preflight(run)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     rt = run.runtime
+    PROGRESS.restart()
+    # Collectives record where each rank waits when something reads it: the hang watchdog or the straggler report.
+    tracked = rt.watchdog_timeout_secs > 0 or rt.straggler_interval != 0
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
                                             rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
-                                            rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp)
+                                            rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp,
+                                            track_collectives=tracked)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
-    watchdog = None
-    failures = FailureLog.in_folder(run.checkpoint.save)  # lost ranks and device errors, for the next job's node choice
+    watchdog, failed, together = None, False, True
     try:
+        watchdog = start_watchdog(WatchdogSettings.from_runtime(rt, run.checkpoint.save))
+        check_memory(run, pstate, ranks.local_world_size)  # one line, before anything is allocated
         if rank == 0:
             print(layout_report(run, pstate), flush=True)
         model = providers.model(run, pstate)
@@ -106,20 +114,25 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
+        PROGRESS.enter("load")
         resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
-        watchdog = start_watchdog(rt.watchdog_timeout_secs, failures)
         return _train(run, pstate, engine, providers, tokenizer, resume, eod)
-    except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
-        if failures is not None and device_error(e):
-            failures.write(rank, this_host(), DEVICE_ERROR, str(e))
-        if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
-                                     or "remote worker" in str(e)):
-            watchdog.wait_for_verdict()  # a lost peer: let the watchdog name it in one line
+    except BaseException as e:
+        failed = True
+        # A MegatronError not marked every_rank is raised by every rank at the same point: they can still meet.
+        together = isinstance(e, MegatronError) and not e.every_rank
+        failures = FailureLog.in_folder(run.checkpoint.save)  # for the next job's choice of nodes
+        if failures is not None and isinstance(e, Exception) and is_out_of_memory(e):  # run_cli prints the same line
+            failures.write(rank, PROGRESS.identity.host, OUT_OF_MEMORY, describe_out_of_memory(e))
+        elif failures is not None and device_error(e):
+            failures.write(rank, PROGRESS.identity.host, DEVICE_ERROR, str(e))
+        if watchdog is not None and isinstance(e, Exception):
+            watchdog.on_error(e)  # out of memory: the others exit with its line; a failed collective: the verdict
         raise
     finally:
         if watchdog is not None:
-            watchdog.stop()
-        initialize.shutdown()
+            watchdog.stop(clean=not failed)
+        initialize.shutdown(barrier=together)
 
 
 def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
@@ -171,6 +184,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
                          deadline=deadline)
 
     def save(it: int) -> None:
+        PROGRESS.enter("save")
         began = time.monotonic()
         save_checkpoint(engine, it, consumed, run, pstate)
         if deadline is not None:  # the measure the deadline predicts the next save from (this job's and the next)
@@ -178,6 +192,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
 
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
+    stragglers = StragglerDetector(rt, rank, pstate.world_size, resume.iteration + 1, writer,
+                                   FailureLog.in_folder(ckpt.save))
     resume.restore_rng()
     if opts.skip_train:
         print_rank0("skipping training (--skip-train is on) ...", rank)  # upstream's words
@@ -196,6 +212,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
             scheduler.consumed_tokens = consumed * seq  # upstream's args.consumed_train_tokens, before the step
         step_gbs = plan.global_batch(consumed)
         n_micro = step_gbs // (mbs * dp.size)
+        PROGRESS.start_iteration(it)
         profiler.begin()
         if pipelined:
             set_num_microbatches(engine, n_micro)  # the pipeline engine's schedule follows its accumulation steps
@@ -207,6 +224,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         # host (the iteration's one host sync). Acted on after the log, so a failing iteration is logged first.
         flags = control.exchange(res)
         profiler.end()
+        PROGRESS.end_step()
+        stragglers.after_iteration(it)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
         log_now = it % t.log_interval == 0 or it == t.train_iters
         tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives
@@ -235,6 +254,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         lrs[it] = res.lr  # the lr this iteration's update used (tests compare resumed and straight runs)
         printed_lrs[it] = res.next_lr  # the lr the log prints (upstream's: the next update's)
         batch_sizes[it] = step_gbs
+        PROGRESS.enter("eval")
         evaluation.periodic(it, consumed, n_micro)
         decision = control.decide(it, flags)  # save? exit? persistent NaN?
         if decision.save:
@@ -248,6 +268,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     reached_end = it >= t.train_iters or not (decision and decision.exit)  # (an exit may fall on the last step)
     if ckpt.save and rank == 0 and not opts.skip_train and reached_end:
         write_finished(ckpt.save, it, consumed)  # the batch scripts stop the job chain on it
+    PROGRESS.enter("eval")
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.
@@ -261,4 +282,4 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
             "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final,
-            "valid_losses": evaluation.losses}
+            "valid_losses": evaluation.losses, "stragglers": stragglers.named}

@@ -11,6 +11,7 @@ import torch
 from megatron.core import comm
 from megatron.core.ulysses import sequence_mean
 from megatron.optim.grad_norm import grad_norm
+from megatron.progress import PROGRESS
 
 
 class _NoTimers:
@@ -108,9 +109,12 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
         last = i == num_microbatches - 1
         if mark is not None:
             mark(last)
+        PROGRESS.enter("data")  # where the hang watchdog and the straggler report see this rank
         with timers("batch-generator"):
             batch = next(data_iterator)
+        PROGRESS.enter("forward")
         loss = forward_step(engine, batch)
+        PROGRESS.enter("backward")
         engine.backward(loss)
         if last and _plain_fp32(engine):
             # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
@@ -118,10 +122,12 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
         if last:  # the boundary step is the optimizer step, timed apart as upstream's
             timers.stop("forward-backward")
             timers.start("optimizer")
+            PROGRESS.enter("optimizer")
         engine.step(lr_kwargs={"increment": increment})
         # Summed on the device in micro-batch order: no host sync per micro-batch.
         total = loss.detach().float() if total is None else total + loss.detach().float()
     timers.stop("optimizer")
+    PROGRESS.enter("step end")
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None

@@ -14,6 +14,7 @@ import pytest
 
 from megatron.arguments import parse_args, run_config_from_args
 from megatron.core import comm
+from megatron.progress import this_host
 from megatron.training import deadline as dl
 from megatron.training import failure_record as fr
 from megatron.training import run_files
@@ -270,4 +271,4 @@ def test_failure_records_and_the_hosts_to_exclude(tmp_path):
         log.write(1, "h", "bad cause")
     assert fr.device_error(RuntimeError("HIP error: hipErrorECCNotCorrectable")) and not fr.device_error(
         RuntimeError("Connection closed by peer"))
-    assert fr.this_host({"SLURMD_NODENAME": "frontier01234"}) == "frontier01234"
+    assert this_host({"SLURMD_NODENAME": "frontier01234"}) == "frontier01234"

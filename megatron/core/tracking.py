@@ -1,0 +1,127 @@
+"""The one seam every process group and collective passes: DeepSpeed's comm backend (``deepspeed.comm.cdb``), through
+which our comm layer, DeepSpeed's engines, ZeRO and the pipeline's send/recv all go.
+
+* ``new_group`` gets the run's --distributed-timeout-minutes: torch gives a group created without one its own default
+  (30 minutes under gloo), so a hang in a group of ours or DeepSpeed's (pipeline grid, ZeRO, Ulysses) outlived the
+  timeout the user set.
+* Each collective records where the main thread waits (megatron/progress.py): op, group, its sequence number in that
+  group. Asynchronous ops are recorded when issued, not while their handle is waited on.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from deepspeed.comm import comm as ds_comm
+
+from megatron.progress import PROGRESS, Progress
+
+# Where each wrapped method of DeepSpeed's TorchBackend finds its group when passed by position (deepspeed.comm
+# passes it by keyword everywhere else).
+_GROUP_ARG = {"all_reduce": 2, "all_reduce_coalesced": 2, "inference_all_reduce": 2}
+_COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor",
+                "all_gather_base", "all_gather_coalesced", "all_gather_object", "all_to_all_single", "all_to_all",
+                "gather", "scatter", "barrier", "monitored_barrier")
+_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+_P2P_ARG = 1  # send(tensor, dst, ...) / recv(tensor, src, ...)
+
+_group_ids: dict[int, str] = {}
+
+
+def group_id(group) -> str:
+    """A process group's id, the same on every rank: torch names groups by creation order ("0" is the world)."""
+    if group is None:
+        return "0"
+    key = id(group)
+    gid = _group_ids.get(key)
+    if gid is None:
+        gid = _group_ids[key] = str(getattr(group, "group_name", key))
+    return gid
+
+
+def _tracked(op: str, fn, progress: Progress):
+    where = _GROUP_ARG.get(op)
+
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a compiled region: no Python side effects to trace
+            return fn(*args, **kwargs)
+        group = kwargs.get("group", args[where] if where is not None and len(args) > where else None)
+        before = progress.enter_collective(op, group_id(group))
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            progress.collective_failed(e)
+            raise
+        progress.leave_collective(before)
+        return out
+
+    call.__wrapped__ = fn
+    return call
+
+
+def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
+    peer_key = _P2P[op]
+
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        peer = kwargs.get(peer_key, args[_P2P_ARG] if len(args) > _P2P_ARG else None)
+        group = kwargs.get("group")
+        if group is not None and peer is not None:
+            peer = torch.distributed.get_global_rank(group, peer)
+        lo, hi = sorted((rank, -1 if peer is None else int(peer)))
+        before = progress.enter_collective(op, f"p2p:{lo}-{hi}")
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            progress.collective_failed(e)
+            raise
+        progress.leave_collective(before)
+        return out
+
+    call.__wrapped__ = fn
+    return call
+
+
+def install(timeout: timedelta, track: bool = True, progress: Progress = PROGRESS) -> None:
+    """Once, right after deepspeed.init_distributed: every later group gets ``timeout``; with ``track`` every
+    collective records its progress. Idempotent (a second call in one process changes nothing)."""
+    cdb = ds_comm.cdb  # the module's global: deepspeed.comm's own ``cdb`` is the copy imported before init
+    if cdb is None or getattr(cdb, "_megatron_tracking", False):
+        return
+    rank = torch.distributed.get_rank()
+    _group_ids.clear()  # a new world (a test's second run in one process): torch names its groups afresh
+    progress.counts = {"0": 0}
+
+    def new_group(ranks):
+        ranks = list(ranks)
+        group = torch.distributed.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            progress.join_group(group_id(group))
+        return group
+
+    cdb.new_group = new_group  # an instance attribute: deepspeed.comm.new_group calls cdb.new_group(ranks)
+    if track:
+        for op in _COLLECTIVES:
+            if hasattr(cdb, op):
+                setattr(cdb, op, _tracked(op, getattr(cdb, op), progress))
+        for op in _P2P:
+            if hasattr(cdb, op):
+                setattr(cdb, op, _tracked_p2p(op, getattr(cdb, op), progress, rank))
+    cdb._megatron_tracking = True
+
+
+def tracked_call(op: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``: a collective that bypasses DeepSpeed's backend (torch's all_gather_object), recorded
+    the same way; its group is ``kwargs["group"]``."""
+    progress = PROGRESS
+    before = progress.enter_collective(op, group_id(kwargs.get("group")))
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as e:
+        progress.collective_failed(e)
+        raise
+    progress.leave_collective(before)
+    return out
