@@ -3,7 +3,8 @@ SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``) and persistent non-fi
 
 A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
 small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
-alone would hang in DeepSpeed's collectives).
+alone would hang in DeepSpeed's collectives). Under --async-save the background save's state (still writing, a
+failed write's errno) travels in the same all-reduce: no collective of its own in the step.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from megatron.checkpointing.async_save import AsyncSaver
 from megatron.core import comm
 from megatron.errors import TrainingError
 from megatron.training.step import StepResult
@@ -30,12 +33,24 @@ class Decision:
     reason: str = ""
 
 
+class Flags(NamedTuple):
+    """What every rank agreed on after an iteration (MAX over ranks)."""
+    signal: bool
+    timed_out: bool
+    nonfinite: bool
+    killed: bool
+    save_state: tuple[float, ...] = ()
+    """The background save's agreed state (AsyncSaver.status, MAX over ranks); empty without --async-save."""
+
+
 class RunControl:
     def __init__(self, save_interval: int | None, exit_interval: int | None, exit_duration_mins: float | None,
                  max_nonfinite: int, saving: bool, kill_switch_file: str | None = None,
-                 checks_files: bool = True) -> None:
+                 checks_files: bool = True, saver: AsyncSaver | None = None) -> None:
         """``checks_files``: this rank looks for ``kill_switch_file`` (rank 0 only: the MAX all-reduce tells the
-        others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre)."""
+        others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre).
+        ``saver``: --async-save's background saver, whose state joins the flags all-reduce."""
+        self.saver = saver
         self.save_interval, self.exit_interval = save_interval, exit_interval
         self.kill_switch_file = kill_switch_file if checks_files else None
         self._kill_switch_name = kill_switch_file
@@ -63,8 +78,9 @@ class RunControl:
         """Collective over all ranks: ``decide(it, exchange(loss))``."""
         return self.decide(it, self.exchange(loss))
 
-    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool, bool]:
-        """Collective: (signal, timed out, non-finite loss, kill switch) on any rank, one small MAX all-reduce.
+    def exchange(self, loss: float | torch.Tensor | StepResult) -> Flags:
+        """Collective: (signal, timed out, non-finite loss, kill switch, the background save's state) on any rank,
+        one small MAX all-reduce.
 
         ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
@@ -76,11 +92,13 @@ class RunControl:
         else:
             bad = float(not math.isfinite(value))
         killed = float(self.kill_switch_file is not None and os.path.exists(self.kill_switch_file))
-        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed],
+        saving = self.saver.status() if self.saver is not None else []
+        n = 4 + len(saving)
+        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed, *saving],
                                op=torch.distributed.ReduceOp.MAX, also=res.pending() if res is not None else ())
         if res is not None:
-            res.resolve(got[4:])
-        return bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3])
+            res.resolve(got[n:])
+        return Flags(bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3]), tuple(got[4:n]))
 
     def decide(self, it: int, flags: tuple[bool, ...]) -> Decision:
         """What every rank does after iteration ``it``, given ``exchange``'s agreed flags. Raises TrainingError
@@ -88,9 +106,13 @@ class RunControl:
         while the latest loss is non-finite."""
         got_signal, timed_out, nonfinite, *rest = flags
         killed = bool(rest and rest[0])
+        if self.saver is not None and isinstance(flags, Flags):
+            self.saver.on_agreed(flags.save_state)  # commit a save every rank has on disk, or raise its failure
         if nonfinite:
             self.nonfinite_run += 1
             if self.nonfinite_run >= self.max_nonfinite:
+                if self.saver is not None:  # the save in flight holds a finite state: keep it
+                    self.saver.finish("before stopping on non-finite losses")
                 raise TrainingError(
                     f"lm loss is NaN/Inf at iteration {it} ({self.nonfinite_run} consecutive non-finite iterations, "
                     f"--max-nonfinite-loss-iters {self.max_nonfinite}); stopped without saving a checkpoint: "

@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
 from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
+from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
 from megatron.core.parallel_state import ParallelState
@@ -102,7 +103,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
         watchdog = start_watchdog(rt.watchdog_timeout_secs)
-        return _train(run, pstate, engine, providers, tokenizer, resume, eod)
+        return _train(run, pstate, engine, providers, tokenizer, resume, eod, max(1, ranks.local_world_size))
     except RuntimeError as e:  # gloo reports a dead peer as DistBackendError or a plain RuntimeError
         if watchdog is not None and (isinstance(e, torch.distributed.DistError) or "peer" in str(e)
                                      or "remote worker" in str(e)):
@@ -115,8 +116,9 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
 
 
 def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
-           resume: Resume, eod: int | None = None) -> dict:
-    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask)."""
+           resume: Resume, eod: int | None = None, ranks_per_node: int = 1) -> dict:
+    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask).
+    ``ranks_per_node``: ranks sharing this host's memory (--async-save's host copies)."""
     opts, ckpt, t = run.logging, run.checkpoint, run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
@@ -157,8 +159,10 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     first_loss = last_loss = None
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     rt = run.runtime
+    saver = AsyncSaver(run, ranks_per_node) if ckpt.save and ckpt.async_save else None
     control = RunControl(ckpt.save_interval, rt.exit_interval, rt.exit_duration_in_mins, rt.max_nonfinite_loss_iters,
-                         saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0)
+                         saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0,
+                         saver=saver)
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     resume.restore_rng()
@@ -217,15 +221,17 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         printed_lrs[it] = res.next_lr  # the lr the log prints (upstream's: the next update's)
         batch_sizes[it] = step_gbs
         evaluation.periodic(it, consumed, n_micro)
-        decision = control.decide(it, flags)  # save? exit? persistent NaN?
+        decision = control.decide(it, flags)  # save? exit? persistent NaN? a background save to commit?
         if decision.save:
-            save_checkpoint(engine, it, consumed, run, pstate)
+            save_checkpoint(engine, it, consumed, run, pstate, saver)
         if decision.exit:
             print_rank0(f"> exiting at iteration {it} after a checkpoint: {decision.reason}", rank)
             break
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
-        save_checkpoint(engine, it, consumed, run, pstate)  # the end of training is always kept
+        save_checkpoint(engine, it, consumed, run, pstate, saver)  # the end of training is always kept
+    if saver is not None:  # every end of a run (signal, --exit-*, kill switch, last iteration) commits its save
+        saver.finish("before exiting")
     final = {}
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.
