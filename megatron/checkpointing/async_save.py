@@ -26,6 +26,7 @@ also dies with its rank, so a killed rank can never commit anything.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -138,6 +139,7 @@ class AsyncSaver:
         """Collective: start writing what ``recorder`` copied. The first save logs the host copy's size."""
         pending.items, pending.host_bytes = recorder.items, recorder.host_bytes
         pending.zipfile = recorder.zipfile_serialization
+        pending.meta = copy.deepcopy(pending.meta)  # written at the commit, steps later: no live references
         if not self._sized:
             self._sized = True
             most = comm.reduce_host([pending.host_bytes], op=tdist.ReduceOp.MAX, dtype=torch.int64)[0]

@@ -157,16 +157,18 @@ def finish(procs: list, timeout: float = 120.0) -> list[int]:
     return codes
 
 
-def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float) -> dict:
-    """``_pretrain`` whose background writer sleeps ``slow_s`` before each file of the save named by ``slow_tag``;
-    the summary gains ``events``: ("iteration", it) as each is logged and ("commit", tag) as rank 0 commits."""
+def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float, sigterm_at: int | None = None) -> dict:
+    """``_pretrain`` whose background writer sleeps ``slow_s`` before each file of the save named by ``slow_tag``, and
+    whose rank 0 sends itself SIGTERM once iteration ``sigterm_at`` is logged. The summary gains ``events``:
+    ("iteration", it) as each is logged, ("commit", tag) as rank 0 commits, ("say", line) for async_save's log."""
+    import signal
     import time
 
     from megatron.checkpointing import async_save, integrity
     from megatron.training import log
 
     events = []
-    write, commit, logged = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration
+    write, commit, logged, say = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration, async_save._say
 
     def slowed(obj, path, zipfile=True):
         if slow_tag in path:
@@ -179,7 +181,14 @@ def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float) -> dict:
 
     def iteration(self, it, *rest):
         events.append(("iteration", it))
+        if it == sigterm_at and os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGTERM)  # as Slurm does; RunControl's handler only sets a flag
         return logged(self, it, *rest)
 
+    def saying(msg):
+        events.append(("say", msg))
+        say(msg)
+
     integrity.write_torch, async_save.commit, log.TrainingLogger.iteration = slowed, committing, iteration
+    async_save._say = saying
     return {**_pretrain(argv), "events": events}
