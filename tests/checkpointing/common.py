@@ -121,7 +121,7 @@ def start_ranks(world: int, argv: list[str], out_dir: str, env: dict | None = No
     return procs
 
 
-def wait_for_line(path: str, pattern: str, procs: list, timeout: float = 120.0) -> str:
+def wait_for_line(path: str, pattern: str, procs: list, timeout: float = 300.0) -> str:
     """The first line of ``path`` matching the regex ``pattern`` (polled while the ranks run)."""
     import re
     import time

@@ -40,7 +40,7 @@ def _text(out: str, r: int, kind: str = "out") -> str:
     return open(os.path.join(out, f"rank{r}.{kind}")).read()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_zero1_sigterm_during_a_background_write_commits_both_and_resumes_exact(tmp_path):
     save = str(tmp_path / "ckpt")
     args = BASE + ["--zero-stage", "1", "--train-iters", "6"]
@@ -68,13 +68,13 @@ def test_zero1_sigterm_during_a_background_write_commits_both_and_resumes_exact(
     assert len(set(got["losses"].values())) == 4
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_pp2_full_disk_in_the_writer_is_one_line_and_latest_stays(tmp_path):
     save, out = str(tmp_path / "ckpt"), str(tmp_path)
     args = BASE + PP2 + ["--train-iters", "6"]
     procs = start_ranks(2, args + ASYNC + ["--save", save], out, env={"FULL_TAG": "global_step4.tmp-",
                                                                       "FULL_RANK": "1"})
-    assert finish(procs) == [2, 2], _text(out, 1, "err")[-3000:]
+    assert finish(procs, timeout=300) == [2, 2], _text(out, 1, "err")[-3000:]
     for r in range(2):
         assert "Traceback" not in _text(out, r, "err"), _text(out, r, "err")[-3000:]
     last = _text(out, 0, "err").strip().splitlines()[-1]
@@ -88,7 +88,7 @@ def test_pp2_full_disk_in_the_writer_is_one_line_and_latest_stays(tmp_path):
     assert resumed == {3: exact[3], 4: exact[4]}, (resumed, exact)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_hierarchical_zero_kill9_during_the_write_keeps_latest_loadable(tmp_path):
     save, out, again = str(tmp_path / "ckpt"), str(tmp_path), str(tmp_path / "resume")
     args = BASE + HZERO + ["--train-iters", "100000", "--watchdog-timeout-secs", "5"]
@@ -98,7 +98,7 @@ def test_hierarchical_zero_kill9_during_the_write_keeps_latest_loadable(tmp_path
         wait_for_line(os.path.join(out, "rank1.out"), r"^WRITING .*global_step4\.tmp-.*hzero_rank_00001\.pt", procs)
         wait_for_line(os.path.join(out, "rank1.out"), r"^EXACT 6 ", procs)  # training went on meanwhile
         procs[1].send_signal(signal.SIGKILL)
-        codes = finish(procs, timeout=60)
+        codes = finish(procs, timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -110,7 +110,7 @@ def test_hierarchical_zero_kill9_during_the_write_keeps_latest_loadable(tmp_path
     exact = exact_losses(os.path.join(out, "rank0.out"))
     os.makedirs(again)
     procs = start_ranks(2, args + ["--load", save, "--exit-interval", "4"], again)
-    assert finish(procs) == [0, 0], _text(again, 0, "err")[-3000:]
+    assert finish(procs, timeout=300) == [0, 0], _text(again, 0, "err")[-3000:]
     assert exact_losses(os.path.join(again, "rank0.out")) == {3: exact[3], 4: exact[4]}
     named = [line for line in _text(again, 0).splitlines() if "unfinished save" in line]
     assert named == [f"> {save}: 1 unfinished save(s) of an interrupted run: {tmp[0]}; not loaded, latest still "

@@ -181,3 +181,29 @@ def test_retention_keeps_latest_and_the_save_in_flight(tmp_path, monkeypatch):
     assert commit.leftovers(str(tmp_path)) == ["global_step8.tmp-1", "global_step9.tmp-2"]
     commit.retain(str(tmp_path), keep_last=1, current_tmp="global_step9.tmp-2")
     assert sorted(os.listdir(tmp_path)) == ["global_step2", "global_step6", "global_step9.tmp-2", "latest"]
+
+
+def test_flag_and_deepspeed_writer_keys(tmp_path):
+    """--async-save needs --save; DeepSpeed's JSON writers (which our hashing writer would bypass) are refused
+    naming --async-save, an off value passes."""
+    import json as _json
+
+    from megatron.arguments import parse_args, run_config_from_args
+    from megatron.engine import build_ds_config
+    from megatron.errors import ConfigError
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "200"]
+    with pytest.raises(ConfigError, match="^--async-save without --save: nothing would be saved"):
+        run_config_from_args(parse_args(base + ["--async-save"]), 1, 200)
+    run = run_config_from_args(parse_args(base + ["--async-save", "--save", str(tmp_path)]), 1, 200)
+    assert run.checkpoint.async_save
+    for cfg, key in (({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, "checkpoint.writer"),
+                     ({"datastates_ckpt": {"enabled": True}}, "datastates_ckpt")):
+        path = tmp_path / "ds.json"
+        path.write_text(_json.dumps(cfg))
+        with pytest.raises(ConfigError, match=f"{key}: .*pass --async-save"):
+            build_ds_config(run, str(path))
+    path.write_text(_json.dumps({"checkpoint": {"writer": None}}))
+    assert "writer" not in build_ds_config(run, str(path))["checkpoint"]
