@@ -44,10 +44,10 @@ def _text(out: str, r: int, kind: str = "out") -> str:
 def test_zero1_sigterm_during_a_background_write_commits_both_and_resumes_exact(tmp_path):
     save = str(tmp_path / "ckpt")
     args = BASE + ["--zero-stage", "1", "--train-iters", "6"]
-    # The writer sleeps 3 s before each file of the step-2 save: iterations 3 and 4 train while it writes, and the
+    # The writer sleeps 2 s before each file of the step-2 save: iterations 3 and 4 train while it writes, and the
     # SIGTERM sent at iteration 3 asks for an exit save at 4 while the step-2 save is still in flight.
     got = run_distributed(slow_async_pretrain, 2, timeout=240, argv=args + ASYNC + ["--save", save],
-                          slow_tag="global_step2.tmp-", slow_s=3.0, sigterm_at=3)[0]
+                          slow_tag="global_step2.tmp-", slow_s=2.0, sigterm_at=3)[0]
     assert got["exit_reason"] == "signal (SIGTERM/SIGUSR1)" and got["iterations"] == 4, got["exit_reason"]
     events = got["events"]
     assert events.index(("iteration", 4)) < events.index(("commit", "global_step2")) < events.index(
