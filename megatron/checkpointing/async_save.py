@@ -201,10 +201,13 @@ class AsyncSaver:
         p = self._pending
         if p is None:
             return 0.0
+        left = max(0, p.host_bytes - p.written_bytes)
+        if not left:  # written: what is left is the commit's metadata
+            return 0.0
         elapsed = time.monotonic() - p.started
         if not p.written_bytes or elapsed <= 0:
-            return None if p.items else 0.0
-        return max(0, p.host_bytes - p.written_bytes) / (p.written_bytes / elapsed)
+            return None
+        return left / (p.written_bytes / elapsed)
 
     # ------------------------------------------------------------------ the thread's work
     def _start(self, target, pending: PendingSave) -> None:

@@ -130,6 +130,7 @@ def test_latest_moves_only_after_every_rank_reported_its_files_durable(tmp_path,
         assert flags.save_state == (1.0, 0.0)  # busy: this rank's writer has not finished
         control.decide(1, flags)
         assert not os.path.exists(tmp_path / "latest") and saver.in_flight
+        assert saver.drain_estimate_s() is None  # nothing written yet: no rate to predict the drain from
         gate.set()
         saver._join()
         flags = control.exchange(1.0)
@@ -140,6 +141,7 @@ def test_latest_moves_only_after_every_rank_reported_its_files_durable(tmp_path,
     finally:
         control.close()
     assert not saver.in_flight and open(tmp_path / "latest").read() == "global_step2"
+    assert saver.drain_estimate_s() == 0.0
     assert [len(v) for v in sent[1:]] == [6, 6, 6]  # [1:]: the first save's size; then one all-reduce per iteration
     step2 = tmp_path / "global_step2"
     assert sorted(os.listdir(step2)) == ["integrity.json", "megatron_meta.json", "mp_rank_00_model_states.pt"]
