@@ -4,9 +4,10 @@ blocks per save, asynchronous vs synchronous, in one run; plus the writer-choice
     python bench/async_save.py [--reps 2] [--iters 120] [--save-interval 30] [--mb-per-s 100] [--dir /tmp/async_bench]
     python bench/async_save.py --writer-choice [--mb 200]
 
-Training: 2 gloo ranks (ZeRO-1, fp32), a model whose state is large next to its step (h 512, 4 layers, vocab 8192,
-seq 16: ~16.9M parameters, ~200 MB of checkpoint, a ~0.1 s step), launched once per variant, the variants
-interleaved ``--reps`` times:
+Training: 2 gloo ranks as TP=2 (fp32, Adam), a model whose state is large next to its step (h 512, 4 layers, vocab
+8192, seq 16: ~16.9M parameters, ~270 MB per checkpoint, ~135 MB per rank; TP, not DP, so that the step's
+communication is activations, not the whole gradient), launched once per variant, the variants interleaved ``--reps``
+times:
 
 * none: no --save;
 * async: --async-save, a save every ``--save-interval`` iterations;
@@ -41,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-4", "--lr-warmup-iters", "1",
          "--mock-data", "--vocab-size", "8192", "--log-interval", "1000000", "--eval-iters", "0",
-         "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo", "--zero-stage", "1",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo",
+         "--tensor-model-parallel-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
 WARMUP = 5
 """Leading iterations left out of the step statistics (allocation, first collectives)."""
 
@@ -129,7 +130,7 @@ def _variant(kind: str, args, save_dir: str) -> dict:
     got = run_distributed(_measured_pretrain, 2, timeout=1800, argv=argv, rate=args.mb_per_s * 1e6)[0]
     steps = [(it, dt, fl) for it, dt, fl in got["steps"] if it > WARMUP]
     return {"all": [dt for _, dt, _ in steps], "in_flight": [dt for _, dt, fl in steps if fl],
-            "blocks": got["blocks"]}
+            "quiet": [dt for _, dt, fl in steps if not fl], "blocks": got["blocks"]}
 
 
 def _ckpt_bytes(save_dir: str) -> int:
@@ -155,10 +156,11 @@ def _training(args) -> None:
                "block_sync_s": statistics.median(got["sync"]["blocks"]),
                "checkpoint_bytes": size, "step_sync_all_s": statistics.median(got["sync"]["all"])}
         row["block_ratio"] = row["block_async_s"] / row["block_sync_s"]
+        row["step_ratio_same_run"] = flight / statistics.median(got["async"]["quiet"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(save_dir, ignore_errors=True)
-    for key in ("step_ratio", "block_ratio"):
+    for key in ("step_ratio", "step_ratio_same_run", "block_ratio"):
         vals = [r[key] for r in rows]
         print(f"{key}: median {statistics.median(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} "
               f"over {len(vals)} repetitions", flush=True)

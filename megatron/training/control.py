@@ -84,6 +84,8 @@ class RunControl:
 
         ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
+        # A stop first finishes the save in flight (AsyncSaver.finish): a save-time prediction for the deadline (issue
+        # 31) must add self.saver.drain_estimate_s(), whose MAX over ranks can ride in this same all-reduce.
         timed_out = self.exit_duration_s is not None and time.monotonic() - self.start > self.exit_duration_s
         res = loss if isinstance(loss, StepResult) else None
         value = res.loss_value if res is not None else loss
