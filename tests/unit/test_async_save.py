@@ -76,7 +76,7 @@ def test_recorder_copies_or_falls_back_to_a_synchronous_write(tmp_path, monkeypa
     path2 = str(tmp_path / "b.pt")
     rec.save(state, path2)
     assert os.path.exists(path2) and len(rec.items) == 1 and rec.synchronous  # written now, hashed as ever
-    assert str(tmp_path / "b.pt").rsplit("/", 1)[1] in integrity.recorded(str(tmp_path))
+    assert "b.pt" in integrity.recorded(str(tmp_path))
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"> --async-save: rank 3: host memory cannot hold the copy of {path2} "
                                                "(4,000 bytes (0.00 GiB) x 8 ranks per node"), out
