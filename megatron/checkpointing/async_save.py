@@ -21,7 +21,8 @@ the time waited).
 Why a thread, not a process (bench/async_save.py, bench/RESULTS.md): the writer's work is the write and fsync system
 calls and XXH3, which release the GIL; a process would need the host copy in shared memory (a second copy, or
 buffers that must be allocated shared and pinned), and its own path back for errors and manifest records. A thread
-also dies with its rank, so a killed rank can never commit anything.
+also dies with its rank, so a killed rank can never commit anything. The thread runs at nice 19, so where training
+keeps the cores busy (this CPU VM) it takes the time training leaves.
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class AsyncSaver:
 
     # ------------------------------------------------------------------ the thread's work
     def _start(self, target, pending: PendingSave) -> None:
-        self._thread = threading.Thread(target=target, args=(pending,), name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=_background, args=(target, pending), name="checkpoint-writer",
+                                        daemon=True)
         self._thread.start()
 
     def _join(self) -> None:
@@ -264,6 +266,17 @@ class AsyncSaver:
         p, self._pending, self._phase = self._pending, None, _IDLE
         tmp = os.path.join(self.run.checkpoint.save, p.tmp_tag)
         check_saved(p.failure, self.run.checkpoint.save, tmp, p.free, self.run, self.run.checkpoint)
+
+
+def _background(target, pending: PendingSave) -> None:
+    """Run ``target(pending)`` at the lowest CPU priority: where training keeps every core busy (a CPU run; a GPU
+    node's cores are mostly idle) the writer, its system calls included, takes the time training leaves. Linux
+    keeps a nice value per thread, so only this thread is lowered; elsewhere it runs at the rank's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    target(pending)
 
 
 def _say(msg: str) -> None:
