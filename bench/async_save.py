@@ -22,8 +22,8 @@ blocking per async save / median synchronous save (target <= 0.10), each per rep
 
 ``--writer-choice``: one process trains a small model (1 thread) while the state of ``--mb`` MB (many tensors, as a
 rank's files) is written at ``--mb-per-s`` through the hashing writer by (a) a thread of the same process, (b) a
-forked child (copy-on-write: the cheapest a process writer can be; a real one must also get the copy to the child).
-Reported: median step time with each writer / with none.
+persistent writer process that gets the state in shared memory through a queue (DeepSpeed's decoupled engine's
+design). Reported: median step time with each writer / with none.
 """
 
 from __future__ import annotations
@@ -191,9 +191,19 @@ def _write_state(state: dict, path: str, rate: float) -> None:
     integrity.write_torch(state, path)
 
 
-def _steps_while(step, writer, n_min: int = 20) -> list[float]:
+def _writer_process(jobs, done, rate: float) -> None:
+    """A persistent writer process (as DeepSpeed's decoupled engine keeps one): writes each (state, path) it gets."""
+    import torch
+
+    torch.set_num_threads(1)
+    while (job := jobs.get()) is not None:
+        _write_state(*job, rate)
+        done.set()
+
+
+def _steps_while(step, writing, n_min: int = 20) -> list[float]:
     times = []
-    while writer is None and len(times) < n_min or writer is not None and writer():
+    while writing is None and len(times) < n_min or writing is not None and writing():
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
@@ -201,34 +211,43 @@ def _steps_while(step, writer, n_min: int = 20) -> list[float]:
 
 
 def _writer_choice(args) -> None:
-    import multiprocessing as mp
     import threading
 
     import torch
+    import torch.multiprocessing as tmp
 
     torch.set_num_threads(1)
     n = 256
-    state = {f"w{i}": torch.randn(int(args.mb * 1e6) // (4 * n)) for i in range(n)}
+    state = {f"w{i}": torch.randn(int(args.mb * 1e6) // (4 * n)) for i in range(n)}  # the host copy
+    rate = args.mb_per_s * 1e6
+    # A process writer needs the copy in shared memory (here made before timing: its cost is the same copy the
+    # thread's host copy makes) and gets it through a queue (file descriptors, no copy).
+    ctx = tmp.get_context("spawn")
+    jobs, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_writer_process, args=(jobs, done, rate), daemon=True)
+    child.start()
+    shared = {k: v.clone().share_memory_() for k, v in state.items()}
     step = _small_model()
     for _ in range(WARMUP):
         step()
-    rate = args.mb_per_s * 1e6
     d = tempfile.mkdtemp(prefix="writer_choice_")
     out = {}
     for _ in range(args.reps):
         for kind in ("none", "thread", "process"):
             path = os.path.join(d, f"{kind}.pt")
             if kind == "none":
-                alive = None
+                writing = None
             elif kind == "thread":
                 t = threading.Thread(target=_write_state, args=(state, path, rate), daemon=True)
                 t.start()
-                alive = t.is_alive
+                writing = t.is_alive
             else:
-                p = mp.get_context("fork").Process(target=_write_state, args=(state, path, rate), daemon=True)
-                p.start()
-                alive = p.is_alive
-            out.setdefault(kind, []).append(statistics.median(_steps_while(step, alive)))
+                done.clear()
+                jobs.put((shared, path))
+                writing = lambda: not done.is_set()  # noqa: E731
+            out.setdefault(kind, []).append(statistics.median(_steps_while(step, writing)))
+    jobs.put(None)
+    child.join(30)
     shutil.rmtree(d, ignore_errors=True)
     base = out["none"]
     for kind in ("thread", "process"):
