@@ -154,7 +154,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             exit_on_missing=args.exit_on_missing_checkpoint, keep_last=args.keep_last_n_checkpoints,
             trust_checkpoint=args.trust_checkpoint, verify=args.verify_checkpoint,
-            universal_checkpoint=args.universal_checkpoint),
+            universal_checkpoint=args.universal_checkpoint, async_save=args.async_save),
         logging=log_options_from_args(args),
         profile=ProfileConfig(mode=args.profile, steps=args.profile_steps,
                               ranks=tuple(args.profile_ranks) if args.profile_ranks is not None else None,

@@ -257,6 +257,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify-checkpoint", choices=["full", "size", "off"], default="full",
                    help="check --load's files against the checkpoint's integrity manifest before loading: full "
                         "(sizes and xxHash checksums, shared over the ranks), size, or off")
+    g.add_argument("--async-save", action="store_true",
+                   help="save in the background (Megatron-LM's flag): training waits only for a copy of each rank's "
+                        "state to host memory; 'latest' moves once every rank's files are on disk")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="delete older checkpoints (the one 'latest' names is never deleted)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at this iteration multiple")

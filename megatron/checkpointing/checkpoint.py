@@ -13,25 +13,23 @@ any moment leaves ``latest`` naming a complete checkpoint.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import re
-import shutil
 import time
 
 import torch
 import torch.distributed as tdist
 
-from megatron.checkpointing import atomic, integrity, safe_io, space, verify
+from megatron.checkpointing import integrity, safe_io, space, verify
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
+from megatron.checkpointing.async_save import AsyncSaver, PendingSave
+from megatron.checkpointing.commit import check_saved, commit, latest_or_none, leftovers, rank0
 from megatron.checkpointing.full_state import (
     load_into_model,
     partition_table,
     read_full_moments,
     read_full_state,
 )
-from megatron.checkpointing.locate import LATEST, META, TRACKER, classify_load, read_latest, read_meta
+from megatron.checkpointing.locate import LATEST, classify_load, read_meta
 from megatron.checkpointing.moments import load_moments
 from megatron.checkpointing.state import (
     Resume,
@@ -49,21 +47,20 @@ from megatron.core import comm, hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import CheckpointError, ConfigError
 
-_TAG = re.compile(r"^global_step(\d+)$")
-
-
-def _rank0() -> bool:
-    return tdist.get_rank() == 0
-
-
 def _agreed_id() -> str:
     """One id for this save on every rank (DeepSpeed checks that all ranks use the same tag)."""
-    mine = int(time.time() * 1000) % 10**12 * 1000 + os.getpid() % 1000 if _rank0() else 0
+    mine = int(time.time() * 1000) % 10**12 * 1000 + os.getpid() % 1000 if rank0() else 0
     return f"{comm.reduce_host([mine], dtype=torch.int64)[0]:x}"
 
 
-def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfig, pstate: ParallelState) -> str:
-    """Collective: every rank calls it (to ``run.checkpoint.save``). Returns the final checkpoint directory."""
+def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfig, pstate: ParallelState,
+                    saver: AsyncSaver | None = None) -> str:
+    """Collective: every rank calls it (to ``run.checkpoint.save``). Returns the final checkpoint directory.
+
+    With ``saver`` (--async-save) the files are copied to host memory and written in the background; the commit
+    follows later (async_save.py). The save in flight before this one is finished and committed first."""
+    if saver is not None:
+        saver.finish(f"before the save of iteration {iteration} (one save in flight at most)")
     settings = run.checkpoint
     save_dir = settings.save
     tag = f"global_step{iteration}"
@@ -80,82 +77,43 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfi
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "partition_table": {k: v for t in tables for k, v in t.items()},
             "format": "megatron-frontier/deepspeed-v1"}
-    free = space.free_bytes(save_dir) if _rank0() else None  # for the one line of a failed save
+    free = space.free_bytes(save_dir) if rank0() else None  # for the one line of a failed save
     failure = None
-    if hzero_ckpt.is_engine(engine):  # hierarchical ZeRO: every rank writes its own file, RNG state included
-        meta.update(format=hzero_ckpt.FORMAT, hierarchy=hzero_ckpt.layout(engine, _ranks_per_node(engine)),
-                    shards={str(r): e for r, e in enumerate(comm.all_gather_object(hzero_ckpt.shard_table_entry(
-                        engine)))})
-        ckpt_engine = hzero_ckpt.checkpoint_engine(engine)
-        ckpt_engine.failure = None
-        try:
-            hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
-                                  not settings.no_save_optim)
-        except OSError as e:  # e.g. the directory could not be created
-            failure = (os.path.join(save_dir, tmp_tag), e)
-    else:
-        ckpt_engine = safe_io.install(engine)
-        ckpt_engine.failure = None
-        try:
-            _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
-        except OSError as e:  # written outside the checkpoint engine (DeepSpeed's directories, scripts)
-            failure = (e.filename or os.path.join(save_dir, tmp_tag), e)
-    failure = failure or ckpt_engine.failure
-    tmp = os.path.join(save_dir, tmp_tag)
-    # Every rank's files are on disk (or failed): all agree before rank 0 commits.
-    _check_saved(failure, save_dir, tmp, free, run, settings)
-    files = {k: v for part in comm.all_gather_object(integrity.recorded(tmp)) for k, v in part.items()}
-    final = os.path.join(save_dir, tag)
-    failure = None
-    if _rank0():
-        try:
-            integrity.write_bytes(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
-            files.update(integrity.recorded(tmp))
-            integrity.write_manifest(tmp, files)  # before the rename and `latest`: a committed checkpoint has one
-            atomic.fsync_dir(tmp)
-            if os.path.exists(final):  # the same iteration saved before (e.g. a resumed run): replace it
-                old = f"{final}.old-{tmp_tag.rsplit('-', 1)[1]}"
-                os.replace(final, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, final)
-            atomic.fsync_dir(save_dir)
-            atomic.atomic_write_text(os.path.join(save_dir, LATEST), tag)  # moves last: the commit point
-            # Megatron's marker too (its iteration, as upstream writes it), which upstream's resume loops read
-            atomic.atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
-        except OSError as e:
-            failure = (e.filename or tmp, e)
-            if os.path.isdir(final) and not os.path.exists(tmp) and _latest_or_none(save_dir) != tag:
-                os.replace(final, tmp)  # renamed but not committed: removed with the temporary directory
-        else:
-            _retain(save_dir, settings.keep_last, keep=tag, current_tmp=tmp_tag)
-    _check_saved(failure, save_dir, tmp, free, run, settings)  # nobody proceeds before the commit
-    return final
-
-
-def _check_saved(failure: tuple[str, OSError] | None, save_dir: str, tmp: str, free: int | None, run: RunConfig,
-                 settings: CheckpointSettings) -> None:
-    """Collective: when a write failed on any rank, remove the temporary directory and raise the same one-line
-    error on every rank (``latest`` has not moved). Rank 0's free-space figure travels in the same all-reduce."""
-    err = (failure[1].errno or errno.EIO) if failure is not None else 0
-    worst, free_max = comm.reduce_host([err, -1 if free is None else free], op=tdist.ReduceOp.MAX,
-                                       dtype=torch.int64)
-    if not worst:
-        return
-    paths = comm.all_gather_object(failure[0] if failure is not None else None)  # only on the failure path
-    where = next((f"{path} on rank {r}" for r, path in enumerate(paths) if path), tmp)
-    integrity.recorded(tmp)  # forget this save's records
-    if _rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-    raise CheckpointError(space.save_failed_message(
-        save_dir, tmp, int(worst), space.checkpoint_bytes(run, not settings.no_save_optim),
-        None if free_max < 0 else int(free_max), _latest_or_none(save_dir), where))
-
-
-def _latest_or_none(save_dir: str) -> str | None:
+    hzero = hzero_ckpt.is_engine(engine)
+    own = hzero_ckpt.checkpoint_engine(engine) if hzero else safe_io.install(engine)
+    # Every file goes through engine.checkpoint_engine.save(state, path): under --async-save a recorder that copies
+    # the state to host memory; the engine-specific gathering (ZeRO partitions, pipeline layers) stays the engine's.
+    writer = saver.recorder(own) if saver is not None else own
+    writer.failure = None
+    engine.checkpoint_engine = writer
     try:
-        return read_latest(save_dir)
-    except CheckpointError:
-        return None
+        if hzero:  # hierarchical ZeRO: every rank writes its own file, RNG state included
+            meta.update(format=hzero_ckpt.FORMAT, hierarchy=hzero_ckpt.layout(engine, _ranks_per_node(engine)),
+                        shards={str(r): e for r, e in enumerate(comm.all_gather_object(
+                            hzero_ckpt.shard_table_entry(engine)))})
+            try:
+                hzero_ckpt.save_shard(engine, os.path.join(save_dir, tmp_tag), tdist.get_rank(), rng_state(),
+                                      not settings.no_save_optim)
+            except OSError as e:  # e.g. the directory could not be created
+                failure = (os.path.join(save_dir, tmp_tag), e)
+        else:
+            try:
+                _deepspeed_save(engine, save_dir, tmp_tag, meta, pstate, settings)
+            except OSError as e:  # written outside the checkpoint engine (DeepSpeed's directories, scripts)
+                failure = (e.filename or os.path.join(save_dir, tmp_tag), e)
+    finally:
+        engine.checkpoint_engine = own
+    failure = failure or writer.failure
+    tmp = os.path.join(save_dir, tmp_tag)
+    # Every rank's files are on disk, or copied (or failed): all agree before rank 0 commits or the writers start.
+    check_saved(failure, save_dir, tmp, free, run, settings)
+    if saver is not None:
+        saver.launch(PendingSave(tag, tmp_tag, iteration, meta, free), writer)
+        return os.path.join(save_dir, tag)
+    files = {k: v for part in comm.all_gather_object(integrity.recorded(tmp)) for k, v in part.items()}
+    failure = commit(save_dir, tmp_tag, tag, iteration, meta, files, settings.keep_last) if rank0() else None
+    check_saved(failure, save_dir, tmp, free, run, settings)  # nobody proceeds before the commit
+    return os.path.join(save_dir, tag)
 
 
 def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: ParallelState,
@@ -178,20 +136,6 @@ def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: Par
 
 def _ranks_per_node(engine) -> int:
     return hierarchical_zero.ranks_per_node(engine.cfg)
-
-
-def _retain(save_dir: str, keep_last: int | None, keep: str, current_tmp: str) -> None:
-    """Delete checkpoints beyond the newest ``keep_last`` and leftovers of interrupted saves."""
-    names = os.listdir(save_dir)
-    for name in names:
-        if ".tmp-" in name and name != current_tmp or ".old-" in name:
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-    if keep_last is None:
-        return
-    steps = sorted((int(m.group(1)), n) for n in names if (m := _TAG.match(n)))
-    for _, name in steps[:-keep_last]:
-        if name != keep:
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 def validate_files(ckpt_dir: str) -> None:
@@ -240,6 +184,7 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     """Collective. Restores weights, optimizer, LR schedule, RNG states, iteration and consumed samples
     (as the flags allow). Without a checkpoint in ``--load`` the run starts from scratch. ``full``: what
     ``load_full_state`` returned (the weights are in already; only the LR position is left to set)."""
+    _name_leftovers(settings)
     if full is not None:
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(full.lr_state or {"num_steps": full.lr_num_steps})
@@ -294,6 +239,17 @@ def load_checkpoint(engine, run: RunConfig, pstate: ParallelState, settings: Che
     return Resume(int(client["iteration"]), int(client["consumed_samples"]), ckpt_dir, rng=rng)
 
 
+def _name_leftovers(settings: CheckpointSettings) -> None:
+    """One line naming the temporary directories of saves that never committed (a killed run, a lost node); they are
+    never loaded, ``latest`` is left alone, and the next save's retention removes them."""
+    for where in dict.fromkeys(d for d in (settings.load, settings.save) if d):
+        names = leftovers(where)
+        if names:
+            latest = latest_or_none(where)
+            _say(f"> {where}: {len(names)} unfinished save(s) of an interrupted run: {', '.join(names)}; not loaded, "
+                 f"{f'latest still names {latest}' if latest else 'no latest'}; the next save removes them")
+
+
 def apply_schedule_lr(engine) -> None:
     """The first resumed update uses the current schedule's lr (e.g. after a longer --train-iters).
 
@@ -306,5 +262,5 @@ def apply_schedule_lr(engine) -> None:
 
 
 def _say(msg: str) -> None:
-    if _rank0():
+    if rank0():
         print(msg, flush=True)

@@ -20,6 +20,7 @@ import errno
 import json
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -38,6 +39,8 @@ _pool: ThreadPoolExecutor | None = None
 
 _written: dict[str, tuple[int, str]] = {}
 """abspath -> (size, digest) of the files this process wrote and has not yet handed to a manifest."""
+_written_lock = threading.Lock()
+"""--async-save's writer thread records while the training thread may read records of another directory."""
 
 
 class HashingWriter:
@@ -127,7 +130,8 @@ def digest(data: bytes) -> str:
 
 
 def record(path: str, size: int, hexdigest: str) -> None:
-    _written[os.path.abspath(path)] = (size, hexdigest)
+    with _written_lock:
+        _written[os.path.abspath(path)] = (size, hexdigest)
 
 
 _record = record  # write_bytes' parameter shadows the name
@@ -137,9 +141,10 @@ def recorded(under: str, forget: bool = True) -> dict[str, dict]:
     """This process's records of files below ``under``, as manifest entries keyed by the relative path."""
     root = os.path.abspath(under) + os.sep
     out = {}
-    for path in [p for p in _written if p.startswith(root)]:
-        size, digest = _written.pop(path) if forget else _written[path]
-        out[path[len(root):]] = {"size": size, ALGORITHM: digest}
+    with _written_lock:
+        for path in [p for p in _written if p.startswith(root)]:
+            size, digest = _written.pop(path) if forget else _written[path]
+            out[path[len(root):]] = {"size": size, ALGORITHM: digest}
     return out
 
 

@@ -133,7 +133,11 @@ _section("comet", HONOURED, _PASS + " (refused before the process group when the
 _put(REFUSED, "DeepSpeed casts parameters/buffers itself with it; precision comes from --fp16/--bf16 here: drop it",
      "data_types.param_dtype", "data_types.buffer_dtype", "data_types.keep_in_fp32_modules")
 _put(HONOURED, _PASS, "checkpoint", "checkpoint.tag_validation", "checkpoint.use_node_local_storage",
-     "checkpoint.parallel_write", "checkpoint.checkpoint_serialization", "checkpoint.writer")
+     "checkpoint.parallel_write", "checkpoint.checkpoint_serialization")
+_ASYNC = ("every checkpoint file goes through our hashing writer (integrity manifest, fsync, commit protocol), so "
+          "DeepSpeed's own writers would be bypassed; for saves that do not stop training pass --async-save "
+          "(Megatron-LM's flag: host copy, background writer, 'latest' moved once every rank's files are durable)")
+_put(REFUSED, "DeepSpeed's fast / decoupled checkpoint writer: " + _ASYNC + "; drop the key", "checkpoint.writer")
 _put(REFUSED, "a universal checkpoint is loaded by --universal-checkpoint (upstream's flag, which sets this key "
               "for DeepSpeed): drop the key and pass the flag",
      "checkpoint.load_universal")
@@ -156,7 +160,8 @@ _section("expert_parallel", REFUSED, "MoE (AutoEP) is not built here: drop the s
 _section("hybrid_engine", REFUSED, "the RLHF hybrid engine is not built here: drop the section")
 _section("weight_quantization", REFUSED, "quantized weights (ZeRO-Init) are not built here: drop the section")
 _section("data_efficiency", REFUSED, "curriculum learning / random-LTD are not built here: drop the section")
-_section("datastates_ckpt", REFUSED, "DataStates async checkpointing is not built here: drop the section")
+_section("datastates_ckpt", REFUSED, "DataStates asynchronous checkpointing is not built here: " + _ASYNC
+         + "; drop the section")
 for _name in ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
               "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning", "progressive_layer_drop"):
     _section(_name, REFUSED, "removed from DeepSpeed 0.19 (it refuses the key itself, after the process group): "

@@ -27,10 +27,16 @@ class CheckpointSettings:
     """--verify-checkpoint: check the files of --load against their manifest (full: sizes and checksums)."""
     universal_checkpoint: bool = False
     """--universal-checkpoint: --load is DeepSpeed's universal form of an upstream checkpoint ('latest_universal')."""
+    async_save: bool = False
+    """--async-save (Megatron-LM's name): a save blocks only for a copy to host memory; a background thread writes the
+    files and ``latest`` moves once every rank's files are durable (megatron/checkpointing/async_save.py)."""
 
     def validate(self) -> CheckpointSettings:
         check_fields(self, {"save_interval": "--save-interval",
                             "keep_last": "--keep-last-n-checkpoints=keep_last_n_checkpoints"})
         if self.verify not in ("full", "size", "off"):
             raise ConfigError(f"--verify-checkpoint {self.verify!r}: choose full, size or off")
+        if self.async_save and not self.save:
+            raise ConfigError("--async-save without --save: nothing would be saved; add --save DIR or drop "
+                              "--async-save")
         return self

@@ -4,7 +4,8 @@ and persistent non-finite losses.
 
 A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
 small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
-alone would hang in DeepSpeed's collectives).
+alone would hang in DeepSpeed's collectives). Under --async-save the background save's state (still writing, a
+failed write's errno) travels in the same all-reduce: no collective of its own in the step.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from megatron.checkpointing.async_save import AsyncSaver
 from megatron.core import comm
 from megatron.errors import TrainingError
 from megatron.training.deadline import Deadline
 from megatron.training.step import StepResult
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+UNKNOWN_DRAIN = 1e9
+"""A rank's drain estimate before its first file is written (MAX over ranks: unknown wins)."""
 
 
 @dataclass
@@ -32,19 +37,35 @@ class Decision:
     reason: str = ""
 
 
+class Flags(NamedTuple):
+    """What every rank agreed on after an iteration (MAX over ranks)."""
+    signal: bool
+    timed_out: bool
+    nonfinite: bool
+    killed: bool
+    ending: bool = False
+    """Rank 0's deadline: the next step, a save and the margin no longer fit before the Slurm job's end."""
+    save_state: tuple[float, ...] = ()
+    """The background save's agreed state (AsyncSaver.status, MAX over ranks); empty without --async-save."""
+
+
 class RunControl:
     def __init__(self, save_interval: int | None, exit_interval: int | None, exit_duration_mins: float | None,
                  max_nonfinite: int, saving: bool, kill_switch_file: str | None = None,
-                 checks_files: bool = True, deadline: Deadline | None = None) -> None:
+                 checks_files: bool = True, saver: AsyncSaver | None = None,
+                 deadline: Deadline | None = None) -> None:
         """``checks_files``: this rank looks for ``kill_switch_file`` (rank 0 only: the MAX all-reduce tells the
         others, where upstream has every rank stat the file each iteration, a metadata storm on Lustre).
+        ``saver``: --async-save's background saver, whose state joins the flags all-reduce.
         ``deadline``: rank 0's judge of the job's end (None elsewhere); its verdict rides the same all-reduce."""
+        self.saver, self.deadline = saver, deadline
+        self._agreed_drain: float | None = 0.0
+        """The slowest rank's remaining background write (s) as last agreed; None: unknown (a whole save)."""
         self.save_interval, self.exit_interval = save_interval, exit_interval
         self.kill_switch_file = kill_switch_file if checks_files else None
         self._kill_switch_name = kill_switch_file
         self.exit_duration_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
         self.max_nonfinite, self.saving = max_nonfinite, saving
-        self.deadline = deadline
         self.start = time.monotonic()
         self.signal_received: int | None = None
         self.nonfinite_run = 0
@@ -69,9 +90,9 @@ class RunControl:
         """Collective over all ranks: ``decide(it, exchange(loss))``."""
         return self.decide(it, self.exchange(loss))
 
-    def exchange(self, loss: float | torch.Tensor | StepResult) -> tuple[bool, bool, bool, bool, bool]:
-        """Collective: (signal, timed out, non-finite loss, kill switch, job end near) on any rank, one small MAX
-        all-reduce.
+    def exchange(self, loss: float | torch.Tensor | StepResult) -> Flags:
+        """Collective: (signal, timed out, non-finite loss, kill switch, job end near, the background save's state) on
+        any rank, one small MAX all-reduce.
 
         ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
@@ -83,12 +104,26 @@ class RunControl:
         else:
             bad = float(not math.isfinite(value))
         killed = float(self.kill_switch_file is not None and os.path.exists(self.kill_switch_file))
-        ending = float(self.deadline is not None and self.deadline.should_stop())
-        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed, ending],
-                               op=torch.distributed.ReduceOp.MAX, also=res.pending() if res is not None else ())
+        # A stop first finishes the save in flight (AsyncSaver.finish): the deadline adds the slowest rank's drain, as
+        # agreed in the previous exchange (this one's values ride in the same all-reduce).
+        ending = float(self.deadline is not None and self.deadline.should_stop(self._agreed_drain))
+        saving = self.saver.status() if self.saver is not None else []
+        drain = [self._drain()] if self.saver is not None else []
+        n = 5 + len(saving)
+        got = comm.reduce_host([float(self.signal_received is not None), float(timed_out), bad, killed, ending,
+                                *saving, *drain], op=torch.distributed.ReduceOp.MAX,
+                               also=res.pending() if res is not None else ())
+        if drain:
+            self._agreed_drain = None if got[n] >= UNKNOWN_DRAIN else float(got[n])
         if res is not None:
-            res.resolve(got[5:])
-        return bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3]), bool(got[4])
+            res.resolve(got[n + len(drain):])
+        return Flags(bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3]), bool(got[4]), tuple(got[5:n]))
+
+    def _drain(self) -> float:
+        """This rank's in-flight save's remaining write time; UNKNOWN_DRAIN before its first file (the rate is not
+        known yet: the deadline then counts a whole save)."""
+        left = self.saver.drain_estimate_s()
+        return UNKNOWN_DRAIN if left is None else left
 
     def decide(self, it: int, flags: tuple[bool, ...]) -> Decision:
         """What every rank does after iteration ``it``, given ``exchange``'s agreed flags. Raises TrainingError
@@ -97,9 +132,13 @@ class RunControl:
         got_signal, timed_out, nonfinite, *rest = flags
         killed = bool(rest and rest[0])
         ending = len(rest) > 1 and bool(rest[1])
+        if self.saver is not None and isinstance(flags, Flags):
+            self.saver.on_agreed(flags.save_state)  # commit a save every rank has on disk, or raise its failure
         if nonfinite:
             self.nonfinite_run += 1
             if self.nonfinite_run >= self.max_nonfinite:
+                if self.saver is not None:  # the save in flight holds a finite state: keep it
+                    self.saver.finish("before stopping on non-finite losses")
                 raise TrainingError(
                     f"lm loss is NaN/Inf at iteration {it} ({self.nonfinite_run} consecutive non-finite iterations, "
                     f"--max-nonfinite-loss-iters {self.max_nonfinite}); stopped without saving a checkpoint: "

@@ -202,7 +202,10 @@ class Deadline:
             return self.settings.margin_secs
         return max(2 * self.step(), 0.2 * self.save_secs, MIN_MARGIN_S)
 
-    def should_stop(self) -> bool:
+    def should_stop(self, drain: float | None = 0.0) -> bool:
+        """``drain``: seconds the save in flight (--async-save) still needs before a stop can save (None: unknown,
+        counted as a whole save)."""
+        drain = self.save_secs if drain is None else drain
         now = self.clock()
         interval, self._last = now - self._last, now
         self.steps.append(interval)
@@ -219,10 +222,12 @@ class Deadline:
             self.say(f"> job {self.settings.job_id} ends at {_clock(end)} (in {end - now:.0f} s, {self.end.source}); "
                      f"predicted save {self.save_secs:.1f} s ({self.save_source}); margin {margin:.1f} s; this job "
                      f"will do about {iters} more iterations ({per:.3g} s each)")
-        if now + step + self.save_secs + margin <= end:
+        if now + step + drain + self.save_secs + margin <= end:
             return False
-        self.reason = (f"the job ends at {_clock(end)}: the next step ({step:.1f} s), a save ({self.save_secs:.1f} s) "
-                       f"and the margin ({margin:.1f} s) would not fit in the {max(0.0, end - now):.0f} s left")
+        flight = f", the save in flight ({drain:.1f} s)" if drain else ""
+        self.reason = (f"the job ends at {_clock(end)}: the next step ({step:.1f} s){flight}, a save "
+                       f"({self.save_secs:.1f} s) and the margin ({margin:.1f} s) would not fit in the "
+                       f"{max(0.0, end - now):.0f} s left")
         return True
 
     def saved(self, secs: float, iteration: int) -> None:

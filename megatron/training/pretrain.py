@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
 from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
+from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
 from megatron.core.parallel_state import ParallelState
@@ -116,7 +117,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         PROGRESS.enter("load")
         resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
-        return _train(run, pstate, engine, providers, tokenizer, resume, eod)
+        return _train(run, pstate, engine, providers, tokenizer, resume, eod, max(1, ranks.local_world_size))
     except BaseException as e:
         failed = True
         # A MegatronError not marked every_rank is raised by every rank at the same point: they can still meet.
@@ -136,8 +137,9 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
 
 
 def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
-           resume: Resume, eod: int | None = None) -> dict:
-    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask)."""
+           resume: Resume, eod: int | None = None, ranks_per_node: int = 1) -> dict:
+    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask).
+    ``ranks_per_node``: ranks sharing this host's memory (--async-save's host copies)."""
     opts, ckpt, t = run.logging, run.checkpoint, run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
@@ -179,15 +181,18 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
     rt = run.runtime
     deadline = start_deadline(DeadlineSettings.from_run(run), run, pstate.world_size, rank)
+    saver = AsyncSaver(run, ranks_per_node) if ckpt.save and ckpt.async_save else None
     control = RunControl(ckpt.save_interval, rt.exit_interval, rt.exit_duration_in_mins, rt.max_nonfinite_loss_iters,
                          saving=bool(ckpt.save), kill_switch_file=rt.kill_switch_file, checks_files=rank == 0,
-                         deadline=deadline)
+                         saver=saver, deadline=deadline)
+    if saver is not None and deadline is not None:  # a background save's whole cost: copy, write and commit
+        saver.on_committed = deadline.saved
 
     def save(it: int) -> None:
         PROGRESS.enter("save")
         began = time.monotonic()
-        save_checkpoint(engine, it, consumed, run, pstate)
-        if deadline is not None:  # the measure the deadline predicts the next save from (this job's and the next)
+        save_checkpoint(engine, it, consumed, run, pstate, saver)
+        if deadline is not None and saver is None:  # the measure the next save is predicted from (this job, the next)
             deadline.saved(time.monotonic() - began, it)
 
     losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
@@ -256,7 +261,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         batch_sizes[it] = step_gbs
         PROGRESS.enter("eval")
         evaluation.periodic(it, consumed, n_micro)
-        decision = control.decide(it, flags)  # save? exit? persistent NaN?
+        decision = control.decide(it, flags)  # save? exit? persistent NaN? a background save to commit?
         if decision.save:
             save(it)
         if decision.exit:
@@ -265,6 +270,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     control.close()
     if ckpt.save and it > resume.iteration and not (decision and decision.save):
         save(it)  # the end of training is always kept
+    if saver is not None:  # every end of a run (signal, --exit-*, kill switch, deadline, last iteration) commits it
+        saver.finish("before exiting")
     reached_end = it >= t.train_iters or not (decision and decision.exit)  # (an exit may fall on the last step)
     if ckpt.save and rank == 0 and not opts.skip_train and reached_end:
         write_finished(ckpt.save, it, consumed)  # the batch scripts stop the job chain on it

@@ -1,6 +1,7 @@
 """Checkpoints on one GPU, through the CPU suite's own checks: bf16 exact resume (check_resume_exact, which
-tests/checkpointing/test_resume.py runs on CPU), HF export logits vs ours, and SIGTERM saves and exits 0
-(tests/checkpointing/test_exits.py's test, unchanged)."""
+tests/checkpointing/test_resume.py runs on CPU), HF export logits vs ours, SIGTERM saves and exits 0
+(tests/checkpointing/test_exits.py's test, unchanged), and --async-save: the host copy lands in pinned buffers reused
+from one save to the next, and a bf16 run resumes bit for bit from a background save written while it trained."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import signal
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on
+from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on, slow_async_pretrain
 from tests.checkpointing.test_exits import test_signal_saves_exits_zero_and_resumes as signal_test
 from tests.checkpointing.test_resume import _batch
 from tests.gpu.helpers import BF16_REL, STATIC_KERNELS, device_args
+from tests.launcher import run_distributed
 
 GPU_BASE = device_args(BASE)
 
@@ -58,3 +60,34 @@ def test_hf_export_logits_match_ours(tmp_path, precision, tol):
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
     signal_test(tmp_path, signal.SIGTERM)
+
+
+def test_host_copy_goes_to_pinned_buffers_reused_between_saves():
+    from megatron.checkpointing.host_copy import HostCopier
+
+    flat = torch.arange(4096, dtype=torch.float32, device="cuda")
+    state = {"w": flat.view(64, 64), "part": flat[128:256], "step": torch.tensor(3)}
+    copier = HostCopier()
+    first = copier.copy(state, "f.pt")
+    assert first["w"].device.type == "cpu" and first["w"].is_pinned()
+    assert torch.equal(first["w"], state["w"].cpu()) and torch.equal(first["part"], state["part"].cpu())
+    assert first["w"].untyped_storage().data_ptr() == first["part"].untyped_storage().data_ptr()  # one storage
+    assert copier.bytes_needed(state, "f.pt") == 8  # only the CPU scalar: the device storage has its buffer
+    ptr = first["w"].untyped_storage().data_ptr()
+    flat.add_(1.0)
+    second = copier.copy(state, "f.pt")
+    assert second["w"].untyped_storage().data_ptr() == ptr and torch.equal(second["w"], state["w"].cpu())
+
+
+def test_bf16_resume_exact_from_a_background_save(tmp_path):
+    save = str(tmp_path / "ckpt")
+    args = GPU_BASE + ["--bf16", "--zero-stage", "1", "--train-iters", "4"]
+    got = run_distributed(slow_async_pretrain, 1, timeout=300, argv=args + ["--async-save", "--save", save,
+                                                                           "--save-interval", "2"],
+                          slow_tag="global_step2.tmp-", slow_s=1.0)[0]
+    events = got["events"]
+    assert events.index(("commit", "global_step2")) > events.index(("iteration", 3)), events
+    with open(f"{save}/latest", "w") as f:
+        f.write("global_step2")
+    resumed = pretrain_on(1, args + ["--load", save])["losses"]
+    assert resumed == {3: got["losses"][3], 4: got["losses"][4]}, (resumed, got["losses"])

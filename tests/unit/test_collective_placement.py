@@ -112,7 +112,7 @@ def test_dp_mean_and_checkpoint_id(nccl, monkeypatch):
 
     _dp_mean(1.25, _pstate())
     _dp_mean(torch.ones((), device=DEVICE), _pstate())
-    monkeypatch.setattr(checkpoint, "_rank0", lambda: True)
+    monkeypatch.setattr(checkpoint, "rank0", lambda: True)
     checkpoint._agreed_id()
     _all_on_device(nccl)
     assert len(nccl) == 3

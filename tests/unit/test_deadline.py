@@ -272,3 +272,38 @@ def test_failure_records_and_the_hosts_to_exclude(tmp_path):
     assert fr.device_error(RuntimeError("HIP error: hipErrorECCNotCorrectable")) and not fr.device_error(
         RuntimeError("Connection closed by peer"))
     assert this_host({"SLURMD_NODENAME": "frontier01234"}) == "frontier01234"
+
+
+def test_a_save_in_flight_is_drained_before_the_stop_and_counted(monkeypatch, tmp_path):
+    """--async-save: a stop first finishes the save in flight, so the deadline adds the slowest rank's remaining
+    write (agreed in the previous flags all-reduce; unknown before its first file: a whole save). With 30 s of drain
+    the run stops earlier than without."""
+    from megatron.training.control import UNKNOWN_DRAIN, RunControl
+
+    calls = []
+    saver = SimpleNamespace(status=lambda: [1.0, 0.0], on_agreed=lambda values: None,
+                            drain_estimate_s=lambda: None if calls.append(1) or len(calls) == 1 else 30.0)
+    sent = []
+    monkeypatch.setattr(comm, "reduce_host", lambda values, *a, **k: sent.append(list(values)) or list(values))
+
+    def stop_iteration(with_saver) -> int:
+        clock = Clock(END - 100)
+        d, _ = _deadline(tmp_path, clock, save_secs=10.0, margin=5.0)
+        control = RunControl(None, None, None, max_nonfinite=3, saving=True, deadline=d,
+                             saver=saver if with_saver else None)
+        try:
+            d.begin()
+            for it in range(1, 40):
+                clock.t += 4.0
+                if control.decide(it, control.exchange(1.0)).exit:
+                    return it
+        finally:
+            control.close()
+        raise AssertionError("never stopped")
+
+    plain = stop_iteration(False)
+    drained = stop_iteration(True)
+    assert sent[-1][5:] == [1.0, 0.0, 30.0]  # busy, errno, this rank's drain: in the same all-reduce
+    assert [v[7] for v in sent[-drained:]][0] == UNKNOWN_DRAIN  # before its first file: unknown
+    # 4 s steps from END - 100: without a save in flight 4 + 10 + 5 s must fit, with one 30 s more
+    assert (plain, drained) == (21, 13)
