@@ -4,6 +4,7 @@ call this; every module after it takes the configs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 from megatron.arguments.parser import parse_args
@@ -107,6 +108,13 @@ def attention_backend(args: argparse.Namespace) -> str:
     return "hip" if args.use_flash_attn_v2 else "triton" if args.use_flash_attn_triton else "auto"
 
 
+def _by_name(cls, args: argparse.Namespace, **given):
+    """A config dataclass whose fields are named as their flags' dests: each filled from its flag, unless ``given``
+    (a value the flag does not hold as is: a default resolved, a list made a tuple, a number from elsewhere)."""
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(args, f.name)
+                  for f in dataclasses.fields(cls) if f.name in given or hasattr(args, f.name)})
+
+
 def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
     """Validate everything together; raises ConfigError naming the flags and the fix."""
     if args.lr is None:
@@ -118,36 +126,11 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
     data = data_config_from_args(args)
     run = RunConfig(
         model=model_config_from_args(args, vocab_size),
-        parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage or 0,
-                                zero_hierarchy=args.zero_hierarchy, zero_hierarchy_weights=args.zero_hierarchy_weights,
-                                zero_hierarchy_int8=args.zero_hierarchy_int8,
-                                ds_sequence_parallel_size=args.ds_sequence_parallel_size,
-                                no_pipeline_parallel=args.no_pipeline_parallel),
-        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                                  lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
-                                  lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
-                                  clip_grad=1.0 if args.clip_grad is None else args.clip_grad,
-                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                                  adam_eps=args.adam_eps, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-                                  cpu_optimizer=args.cpu_optimizer, cpu_torch_adam=args.cpu_torch_adam,
-                                  lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
-                                  lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens,
-                                  override_opt_param_scheduler=args.override_opt_param_scheduler,
-                                  use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                                  start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay,
-                                  weight_decay_incr_style=args.weight_decay_incr_style),
-        precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
-                                  initial_loss_scale=args.initial_loss_scale,
-                                  loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-                                  min_loss_scale=args.min_loss_scale),
-        training=TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                                train_iters=args.train_iters, eval_interval=args.eval_interval,
-                                eval_iters=args.eval_iters, log_interval=args.log_interval, seed=args.seed,
-                                peak_tflops=args.peak_tflops, train_samples=args.train_samples,
-                                train_tokens=args.train_tokens,
-                                rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None),
+        parallel=_by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0),
+        optimizer=_by_name(OptimizerConfig, args, clip_grad=1.0 if args.clip_grad is None else args.clip_grad),
+        precision=_by_name(PrecisionConfig, args),
+        training=_by_name(TrainingConfig, args,
+                          rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None),
         data=data,
         checkpoint=CheckpointSettings(
             save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
@@ -159,17 +142,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
         profile=ProfileConfig(mode=args.profile, steps=args.profile_steps,
                               ranks=tuple(args.profile_ranks) if args.profile_ranks is not None else None,
                               tensorboard_dir=args.tensorboard_dir),
-        runtime=RuntimeConfig(
-            distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
-            master_addr=args.master_addr, master_port=args.master_port,
-            rendezvous_timeout_secs=args.rendezvous_timeout_secs, allow_tp_across_nodes=args.allow_tp_across_nodes,
-            exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
-            job_end_margin_secs=args.job_end_margin_secs,
-            kill_switch_file=args.kill_switch_file, max_nonfinite_loss_iters=args.max_nonfinite_loss_iters,
-            watchdog_timeout_secs=args.watchdog_timeout_secs, hang_timeout=args.hang_timeout,
-            hang_timeout_save=args.hang_timeout_save, hang_timeout_startup=args.hang_timeout_startup,
-            straggler_interval=args.straggler_interval, straggler_factor=args.straggler_factor,
-            straggler_reports=args.straggler_reports, skip_memory_check=args.skip_memory_check),
+        runtime=_by_name(RuntimeConfig, args),
         deepspeed=DeepSpeedSettings(config=args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
                                     clip_grad_given=args.clip_grad is not None),
         flags=dict(vars(args), tokenizer_type=data.tokenizer_type),
@@ -192,12 +165,7 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                               f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
                               "or pass --tokenizer-type with its files")
         tokenizer_type = DEFAULT_TOKENIZER_TYPE
-    return DataConfig(
-        data_path=args.data_path, mock_data=args.mock_data, demo_corpus=args.demo_corpus, vocab_size=args.vocab_size,
-        split=args.split, data_cache_path=args.data_cache_path, tokenizer_type=tokenizer_type,
-        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-        dataloader_type=args.dataloader_type, data_sharding=args.data_sharding, num_workers=args.num_workers,
-        eod_mask_loss=args.eod_mask_loss, per_epoch_doc_shuffle=args.per_epoch_doc_shuffle).validate()
+    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type).validate()
 
 
 _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",

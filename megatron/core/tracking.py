@@ -48,17 +48,22 @@ def _tracked(op: str, fn, progress: Progress):
         if torch.compiler.is_compiling():  # inside a compiled region: no Python side effects to trace
             return fn(*args, **kwargs)
         group = kwargs.get("group", args[where] if where is not None and len(args) > where else None)
-        before = progress.enter_collective(op, group_id(group))
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:
-            progress.collective_failed(e)
-            raise
-        progress.leave_collective(before)
-        return out
+        return _recorded(progress, op, group_id(group), fn, args, kwargs)
 
     call.__wrapped__ = fn
     return call
+
+
+def _recorded(progress: Progress, op: str, key: str, fn, args, kwargs):
+    """Run one collective with its progress recorded: entered, then left or failed."""
+    before = progress.enter_collective(op, key)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as e:
+        progress.collective_failed(e)
+        raise
+    progress.leave_collective(before)
+    return out
 
 
 def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
@@ -72,14 +77,7 @@ def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
         if group is not None and peer is not None:
             peer = torch.distributed.get_global_rank(group, peer)
         lo, hi = sorted((rank, -1 if peer is None else int(peer)))
-        before = progress.enter_collective(op, f"p2p:{lo}-{hi}")
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:
-            progress.collective_failed(e)
-            raise
-        progress.leave_collective(before)
-        return out
+        return _recorded(progress, op, f"p2p:{lo}-{hi}", fn, args, kwargs)
 
     call.__wrapped__ = fn
     return call
