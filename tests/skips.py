@@ -48,7 +48,7 @@ class _Recorder:
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     path = config.getoption("--skip-report")
-    if path:
+    if path and not hasattr(config, "workerinput"):  # under pytest-xdist the controller sees every worker's reports
         config.pluginmanager.register(_Recorder(path), "skip-recorder")
 
 
