@@ -60,7 +60,7 @@ setup(
         "pybind11",
         "xxhash>=3.0",
     ],
-    extras_require={"test": ["pytest", "matplotlib", "import-linter"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "matplotlib", "import-linter"]},
     ext_modules=_EXT_MODULES,
     cmdclass={"build_ext": _BUILD_EXT},
 )

@@ -41,8 +41,14 @@ class _Recorder:
         self._add(report)
 
     def pytest_sessionfinish(self, session) -> None:
+        # tests/run.sh runs pytest twice (the parallel phase, then the serial one) into one report: append.
+        try:
+            with open(self.path) as f:
+                earlier = json.load(f)
+        except (OSError, ValueError):
+            earlier = []
         with open(self.path, "w") as f:
-            json.dump(self.skips, f, indent=1)
+            json.dump(earlier + self.skips, f, indent=1)
 
 
 @pytest.hookimpl(trylast=True)
