@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ _W: dict = {}  # per-worker state, filled by _init_worker in each pool process
 
 
 def _init_worker(tok_kwargs: dict, keys: list[str], append_eod: bool, dtype: type[np.number]) -> None:
+    # A forked worker inherits the parent's Python signal handlers (a training process that calls preprocess() has
+    # its graceful-stop SIGTERM handler): Pool.terminate() would then never end it and the parent's join hangs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
     tok = build_tokenizer(**tok_kwargs)
     _W.update(tok=tok, keys=keys, eod=tok.eod if append_eod else None, dtype=dtype)
 
@@ -200,6 +205,10 @@ def preprocess(args: argparse.Namespace) -> PreprocessStats:
                     )
                     last = now
         close_part()
+        if pool is not None:  # every line is back: let the workers finish rather than kill them
+            pool.close()
+            pool.join()
+            pool = None
     except BaseException:
         for b in builders.values():
             b.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 
 import numpy as np
@@ -69,6 +70,22 @@ def test_workers_and_partitions_give_identical_files(load_tool, corpus, gpt2_fla
         with open(f"{out}_text_document{ext}", "rb") as a, open(dataset_prefix + ext, "rb") as b:
             assert a.read() == b.read()
     assert sorted(os.listdir(tmp_path)) == ["par_text_document.bin", "par_text_document.idx"]  # parts removed
+
+
+def test_pool_workers_end_on_sigterm_whatever_handler_the_caller_installed(load_tool, tokenizer_dir):
+    # A forked pool worker keeps the caller's Python SIGTERM handler (a training process's graceful stop), so
+    # Pool.terminate() could not end it and preprocess() hung in join(): the initializer restores the defaults.
+    tool = load_tool("preprocess_data")
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for s in before:
+            signal.signal(s, lambda *_: None)
+        tool._init_worker({"tokenizer_type": "HFTokenizer",
+                           "tokenizer_model": os.path.join(tokenizer_dir, "tokenizer.json")}, ["text"], True, np.uint16)
+        assert all(signal.getsignal(s) is signal.SIG_DFL for s in before)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def test_int32_tokens_and_merge(load_tool, tmp_path):
