@@ -114,12 +114,4 @@ def install(timeout: timedelta, track: bool = True, progress: Progress = PROGRES
 def tracked_call(op: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``: a collective that bypasses DeepSpeed's backend (torch's all_gather_object), recorded
     the same way; its group is ``kwargs["group"]``."""
-    progress = PROGRESS
-    before = progress.enter_collective(op, group_id(kwargs.get("group")))
-    try:
-        out = fn(*args, **kwargs)
-    except BaseException as e:
-        progress.collective_failed(e)
-        raise
-    progress.leave_collective(before)
-    return out
+    return _recorded(PROGRESS, op, group_id(kwargs.get("group")), fn, args, kwargs)

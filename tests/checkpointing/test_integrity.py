@@ -12,55 +12,30 @@ import sys
 
 import pytest
 
-from tests.checkpointing.common import BASE, pretrain_on
+from tests.checkpointing.common import ASYNC, BASE, pretrain_on
 from tests.functional.cli import REPO
 from tests.launcher import free_port, run_distributed
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]  # 2 ranks: layer, model and optimizer files
 
 # Rank 1's file system fills up in the middle of its first file of the step-4 save (the file object under the
-# hashing writer raises, inside torch.save); every logged loss is printed exactly so the resume can be compared
-# bit for bit.
-FULL_DISK = """
-import errno, os, sys
-from megatron.checkpointing import integrity
-from megatron.training import log
-class Full:
-    def __init__(self, f):
-        self.f = f
-    def write(self, data):
-        if self.f.tell() > 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.f.write(data)
-    def flush(self):
-        self.f.flush()
-init = integrity.HashingWriter.__init__
-def filling(self, f):
-    init(self, Full(f) if "global_step4.tmp-" in f.name and os.environ["RANK"] == "1" else f)
-integrity.HashingWriter.__init__ = filling
-logged = log.TrainingLogger.iteration
-def exact(self, it, loss, res, consumed, *rest):
-    if loss is not None:
-        print(f"EXACT {it} {loss!r}", flush=True)
-    return logged(self, it, loss, res, consumed, *rest)
-log.TrainingLogger.iteration = exact
-import pretrain_gpt
-sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
-"""
+# hashing writer raises, inside torch.save): common.ASYNC steered by FULL_TAG / FULL_RANK; every logged loss is
+# printed exactly so the resume can be compared bit for bit.
+FULL_DISK = {"FULL_TAG": "global_step4.tmp-", "FULL_RANK": "1"}
 
 
 def _ranks(world: int, argv: list[str], script: str | None = None, ports: list[int] | None = None,
-           timeout: float = 240) -> list[subprocess.CompletedProcess]:
+           timeout: float = 240, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """``world`` ranks launched as separate processes (one exit code each); ``ports``: one per rank to keep them
     from ever forming a process group."""
     port = free_port()
     cmd = [sys.executable, "-c", script] if script else [sys.executable, os.path.join(REPO, "pretrain_gpt.py")]
     procs = []
     for r in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, RANK=str(r), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(ports[r] if ports else port))
-        procs.append(subprocess.Popen(cmd + argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+        full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, RANK=str(r), WORLD_SIZE=str(world),
+                    LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(ports[r] if ports else port), **(env or {}))
+        procs.append(subprocess.Popen(cmd + argv, cwd=REPO, env=full, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
     out = []
     try:
@@ -118,7 +93,7 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
 
     save = str(tmp_path / "ckpt")
     args = BASE + PP2 + ["--train-iters", "4"]
-    ranks = _ranks(2, args + ["--save", save, "--save-interval", "2"], script=FULL_DISK)
+    ranks = _ranks(2, args + ["--save", save, "--save-interval", "2"], script=ASYNC, env=FULL_DISK)
     for r, out in enumerate(ranks):  # every rank exits 2; the job's one error line, no traceback
         assert out.returncode == 2, (r, out.stderr[-3000:])
         assert "Traceback" not in out.stderr, (r, out.stderr[-3000:])
