@@ -169,6 +169,8 @@ class GPTModelPipe(PipelineModule):
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
+        if cfg.moe.enabled:  # RunConfig refuses MoE with PP > 1 first; this stops a direct build at PP = 1 too
+            raise ConfigError("GPTModelPipe has no MoE layers yet: build GPTModel for a model with --num-experts")
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
         sp = sequence_parallel and tp.size > 1

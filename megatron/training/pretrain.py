@@ -95,7 +95,8 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
                                             rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
                                             rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp,
-                                            track_collectives=tracked)
+                                            track_collectives=tracked,
+                                            ep=run.parallel.ep if run.model.moe.enabled else None)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
@@ -178,7 +179,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
                             resume.iteration, logger, stream, plan)
     first_loss = last_loss = None
-    consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
+    consumed, interval_sum, interval_n, interval_moe = resume.consumed_samples, 0.0, 0, 0.0
     rt = run.runtime
     deadline = start_deadline(DeadlineSettings.from_run(run), run, pstate.world_size, rank)
     saver = AsyncSaver(run, ranks_per_node) if ckpt.save and ckpt.async_save else None
@@ -232,6 +233,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         PROGRESS.end_step()
         stragglers.after_iteration(it)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
+        interval_moe += res.moe_loss or 0.0  # MoE layers: their loss, logged beside the lm loss
         log_now = it % t.log_interval == 0 or it == t.train_iters
         tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives
         if opts.params_norm and (log_now or tb_now):
@@ -247,7 +249,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         loss = None
         if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
             loss = dp_mean(interval_sum / interval_n, pstate)
-            interval_sum, interval_n = 0.0, 0
+            logger.moe_loss = None if res.moe_loss is None else dp_mean(interval_moe / interval_n, pstate)
+            interval_sum, interval_n, interval_moe = 0.0, 0, 0.0
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss

@@ -56,6 +56,14 @@ def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition
             param.copy_(shard)
 
 
+def initialize_uniform(param: nn.Parameter, bound: float, seed: int, key: str) -> None:
+    """Fill a replicated ``param`` from U(-bound, bound), keyed like ``initialize_shard`` (the same values on every
+    rank and layout). torch.nn.Linear's default init is this with bound 1/sqrt(fan_in)."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(_stable_seed(seed, key))
+        param.copy_(torch.empty(tuple(param.shape), dtype=torch.float32).uniform_(-bound, bound, generator=gen))
+
+
 def shard_tensor(full: torch.Tensor, partition_dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
     """This TP rank's slice of a full tensor (each of ``stride`` stacked blocks split separately)."""
     if tp_size == 1:
