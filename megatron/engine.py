@@ -126,6 +126,9 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
         # Its all-reduce path reduces a whole gradient bucket over the data-parallel group, experts included.
         raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --num-experts: DeepSpeed then "
                           "sums different experts' gradients over the data-parallel group; drop the key")
+    if run.model.moe.enabled and p.zero_stage == 2 and zero.get("contiguous_gradients") is False:
+        raise ConfigError(f"{source} sets zero_optimization.contiguous_gradients=false with --num-experts: DeepSpeed's "
+                          "ZeRO-2 partitions expert gradients only from the contiguous buffer; drop the key")
     if p.pp > 1 and p.zero_stage >= 2:
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "

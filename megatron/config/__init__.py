@@ -16,6 +16,6 @@ from megatron.config.runtime import DeepSpeedSettings, RuntimeConfig
 from megatron.config.sizes import model_names, named_model
 from megatron.config.training import TrainingConfig
 
-__all__ = ["CheckpointSettings", "DataConfig", "DeepSpeedSettings", "LogOptions", "ModelConfig", "MoEConfig", "OptimizerConfig",
-           "ParallelConfig", "PrecisionConfig", "ProfileConfig", "RunConfig", "RuntimeConfig", "TrainingConfig",
-           "model_names", "named_model"]
+__all__ = ["CheckpointSettings", "DataConfig", "DeepSpeedSettings", "LogOptions", "ModelConfig", "MoEConfig",
+           "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "ProfileConfig", "RunConfig", "RuntimeConfig",
+           "TrainingConfig", "model_names", "named_model"]

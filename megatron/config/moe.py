@@ -67,13 +67,13 @@ class MoEConfig:
                               f"or {moe_layers}")
         if self.mlp_type not in ("standard", "residual"):
             raise ConfigError(f"--mlp-type {self.mlp_type!r}: choose 'standard' or 'residual'")
-        if self.topk > 2:
-            raise ConfigError(f"--topk {self.topk}: top-k gating beyond 2 is not built here (upstream's DeepSpeed has "
-                              "it with another capacity rule): use --topk 1 or 2")
         fewest = min(n for n in self.num_experts if n > 1)
         if self.topk > fewest:
             raise ConfigError(f"--topk {self.topk} exceeds the {fewest} experts of an MoE layer (--num-experts): use "
                               f"--topk <= {fewest}")
+        if self.topk > 2:
+            raise ConfigError(f"--topk {self.topk}: top-k gating beyond 2 is not built here (upstream's DeepSpeed has "
+                              "it with another capacity rule): use --topk 1 or 2")
         if self.topk == 1 and tokens_per_micro_batch < self.moe_min_capacity:
             # DeepSpeed's top-1 gate asserts it at the first step: say it now.
             raise ConfigError(f"--moe-min-capacity {self.moe_min_capacity} exceeds the {tokens_per_micro_batch} tokens "

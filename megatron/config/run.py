@@ -64,8 +64,9 @@ class RunConfig:
                 self.notes.append(f"> {flag} has no effect: no layer has experts (--num-experts), as upstream")
             return
         if p.dp % p.ep:
-            raise ConfigError(f"{flag} does not divide the data-parallel size {p.dp} (world {p.world_size} / TP {p.tp} "
-                              f"/ PP {p.pp}): the expert-parallel ranks are data-parallel ranks; use a divisor of {p.dp}")
+            raise ConfigError(f"{flag} does not divide the data-parallel size {p.dp} (world {p.world_size} / TP "
+                              f"{p.tp} / PP {p.pp}): the expert-parallel ranks are data-parallel ranks; use a divisor "
+                              f"of {p.dp}")
         uneven = sorted({n for n in moe.num_experts if n > 1 and n % p.ep})
         if uneven:
             raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
@@ -75,10 +76,10 @@ class RunConfig:
                        "built yet (the load-balancing loss would have to travel between the stages); use PP 1"),
             (p.sp > 1, f"--ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a sequence, another "
                        "capacity than one process's; use --sequence-parallel (Megatron's) or SP 1"),
-            (p.zero_stage == 3, "--zero-stage 3: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine "
-                                "refuses MoE); use --zero-stage 1 or 2"),
             (bool(p.zero_hierarchy), "--zero-hierarchy: hierarchical ZeRO reduces every gradient over the whole "
                                      "data-parallel group, not the experts' own replicas; use --zero-stage 1 or 2"),
+            (p.zero_stage == 3, "--zero-stage 3: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine "
+                                "refuses MoE); use --zero-stage 1 or 2"),
         )
         for bad, why in refused:
             if bad:

@@ -71,15 +71,16 @@ class TrainingLogger:
         self._emit(it, res, consumed)
         self._reset()
 
-    def tensorboard(self, it: int, loss: float, res, consumed: int, batch_size: int) -> None:
+    def tensorboard(self, it: int, loss: float, res, consumed: int, batch_size: int,
+                    moe_loss: float | None = None) -> None:
         """This iteration's scalars under upstream's tags (the loop calls it at --tensorboard-log-interval with the
-        iteration's own DP-mean loss, as upstream's)."""
+        iteration's own DP-mean loss, and MoE loss for a model with experts, as upstream's)."""
         if self.writer is None or self.rank != 0:
             return
         seq = self.run.model.seq_length
         tb.write_training(self.writer, self.opts, it, consumed, consumed * seq, loss=loss, lr=res.lr,
                           batch_size=batch_size, loss_scale=res.loss_scale, world_size=self.world,
-                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq)
+                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq, moe_loss=moe_loss)
 
     def _emit(self, it: int, res, consumed: int) -> None:
         t = self.run.training

@@ -196,7 +196,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         if deadline is not None and saver is None:  # the measure the next save is predicted from (this job, the next)
             deadline.saved(time.monotonic() - began, it)
 
-    losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
+    losses, moe_losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, {}, resume.iteration, None
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     stragglers = StragglerDetector(rt, rank, pstate.world_size, resume.iteration + 1, writer,
                                    FailureLog.in_folder(ckpt.save))
@@ -239,8 +239,9 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         if opts.params_norm and (log_now or tb_now):
             logger.params_norm = params_norm(engine.module, pstate)
         if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
+            moe_tb = None if res.moe_loss is None else res.moe_loss if dp.size == 1 else dp_mean(res.moe_loss, pstate)
             logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed,
-                               step_gbs)
+                               step_gbs, moe_loss=moe_tb)
             if opts.optimizer_states_to_tb:
                 stats = optimizer_stats(engine.optimizer, pstate, engine.zero_optimization_stage())
                 if writer is not None:
@@ -250,6 +251,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
             loss = dp_mean(interval_sum / interval_n, pstate)
             logger.moe_loss = None if res.moe_loss is None else dp_mean(interval_moe / interval_n, pstate)
+            if logger.moe_loss is not None:
+                moe_losses[it] = logger.moe_loss
             interval_sum, interval_n, interval_moe = 0.0, 0, 0.0
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
@@ -289,7 +292,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {opts.tensorboard_dir}", rank)
-    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
+    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses,
+            "moe_losses": moe_losses, "lrs": lrs,
             "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final,
             "valid_losses": evaluation.losses, "stragglers": stragglers.named}
