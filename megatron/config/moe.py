@@ -24,7 +24,8 @@ class MoEConfig:
     expert_interval: int = 2
     """--expert-interval: every expert_interval-th layer (1-based: layers 2, 4, ... by default) is an MoE layer."""
     topk: int = 1
-    """--topk: experts per token (1: top-1 gating with random token selection; 2: top-2 gating)."""
+    """--topk: experts per token (1: top-1 gating with random token selection; 2: top-2 gating; more: DeepSpeed's
+    top-k gating, whose capacity keeps the largest gates)."""
     mlp_type: str = "standard"
     """--mlp-type: 'standard', or 'residual' (PR-MoE: a dense MLP beside the experts, mixed by a learned
     coefficient)."""
@@ -71,9 +72,6 @@ class MoEConfig:
         if self.topk > fewest:
             raise ConfigError(f"--topk {self.topk} exceeds the {fewest} experts of an MoE layer (--num-experts): use "
                               f"--topk <= {fewest}")
-        if self.topk > 2:
-            raise ConfigError(f"--topk {self.topk}: top-k gating beyond 2 is not built here (upstream's DeepSpeed has "
-                              "it with another capacity rule): use --topk 1 or 2")
         if self.topk == 1 and tokens_per_micro_batch < self.moe_min_capacity:
             # DeepSpeed's top-1 gate asserts it at the first step: say it now.
             raise ConfigError(f"--moe-min-capacity {self.moe_min_capacity} exceeds the {tokens_per_micro_batch} tokens "

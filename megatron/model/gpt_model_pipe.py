@@ -113,11 +113,12 @@ def spec_kinds(cfg: ModelConfig) -> list[str]:
     return ["embedding"] + ["layer"] * cfg.num_layers + ["norm", "output"]
 
 
-def spec_parameters(cfg: ModelConfig, tp: int) -> list[int]:
-    """Parameters per spec on one TP rank (analytic: no layer is built just to be counted)."""
+def spec_parameters(cfg: ModelConfig, tp: int, ep: int = 1) -> list[int]:
+    """Parameters per spec on one TP (and, for MoE layers, EP) rank (analytic: no layer is built just to be
+    counted)."""
     words = cfg.word_embedding_parameters(tp)
     # A tied output layer owns no weight but does the same matmul; weigh it like the untied one.
-    return [words + cfg.position_parameters()] + [cfg.layer_parameters(tp)] * cfg.num_layers + \
+    return [words + cfg.position_parameters()] + [cfg.layer_parameters(tp, n, ep) for n in cfg.layer_experts()] + \
         [cfg.norm_parameters(), words]
 
 

@@ -89,8 +89,10 @@ class RoutedExperts(nn.Module):
         if m.topk == 1:
             rts = draws.rts_uniform(keys, self.layer_number) if m.use_rts else None
             return gating.top1(logits, factor, m.moe_min_capacity, m.moe_token_dropping, rts, self.ep)
-        noise = draws.gumbel(keys, self.layer_number, self.num_experts) if m.moe_top2_2nd_expert_sampling else None
-        return gating.top2(logits, factor, m.moe_min_capacity, m.moe_token_dropping, noise, self.ep)
+        if m.topk == 2:
+            noise = draws.gumbel(keys, self.layer_number, self.num_experts) if m.moe_top2_2nd_expert_sampling else None
+            return gating.top2(logits, factor, m.moe_min_capacity, m.moe_token_dropping, noise, self.ep)
+        return gating.topk(logits, m.topk, factor, m.moe_min_capacity, m.moe_token_dropping, self.ep)
 
     def forward(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [S, h] (the same on every TP rank), keys [S] -> (output [S, h], the load-balancing loss)."""

@@ -1,7 +1,7 @@
-"""The MoE gate against DeepSpeed's own top1gating / top2gating (deepspeed/moe/sharded_moe.py) on the same logits:
-capacity, combine weights, dispatch mask, expert counts and the load-balancing loss agree exactly, with token
-dropping on and off, and with random token selection / second-expert sampling fed the same draws. Then the draws'
-own properties, and the sparse dispatch / combine against DeepSpeed's dense einsums."""
+"""The MoE gate against DeepSpeed's own top1gating / top2gating / topkgating (deepspeed/moe/sharded_moe.py) on the
+same logits: capacity, combine weights, dispatch mask, expert counts and the load-balancing loss agree exactly, with
+token dropping on and off, and with random token selection / second-expert sampling fed the same draws. Then the
+draws' own properties, and the sparse dispatch / combine against DeepSpeed's dense einsums."""
 
 import pytest
 import torch
@@ -61,6 +61,13 @@ def test_top2_matches_deepspeed(factor, min_capacity, drop):
     ours = gating.top2(logits, factor, min_capacity, drop, gumbel=None)
     _same(ours, sharded_moe.top2gating(logits.clone(), factor, min_capacity, drop_tokens=drop,
                                        top2_2nd_expert_sampling=False))
+
+
+@pytest.mark.parametrize("k, factor, drop", [(3, 1.0, True), (3, 0.5, True), (4, 1.0, False)])
+def test_topk_beyond_two_matches_deepspeed(k, factor, drop):
+    logits = _logits(5)
+    ours = gating.topk(logits, k, factor, 4, drop)
+    _same(ours, sharded_moe.topkgating(logits.clone(), k, factor, 4, drop_tokens=drop))
 
 
 def test_random_token_selection_matches_deepspeed_given_the_same_draws(monkeypatch):

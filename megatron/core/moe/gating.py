@@ -1,4 +1,5 @@
-"""DeepSpeed's top-1 and top-2 gates (deepspeed/moe/sharded_moe.py top1gating / top2gating), as routes.
+"""DeepSpeed's top-1, top-2 and top-k gates (deepspeed/moe/sharded_moe.py top1gating / top2gating / topkgating), as
+routes.
 
 The arithmetic is DeepSpeed's, step for step, so a run moved here routes, drops and balances as it did: the capacity
 ``max(ceil(S / E x factor x k), min_capacity)`` (float32, as there), top-1's random token selection among an expert's
@@ -22,7 +23,7 @@ from megatron.core.parallel_state import GroupInfo
 
 @dataclass
 class Routing:
-    """Where each of the S tokens goes, for its k routes (k = 1 or 2)."""
+    """Where each of the S tokens goes, for its k routes."""
 
     l_aux: torch.Tensor
     """The load-balancing loss, a float32 scalar (before --moe-loss-coeff)."""
@@ -104,3 +105,30 @@ def top2(logits: torch.Tensor, factor: float, min_capacity: int, drop_tokens: bo
                            torch.where(mask2.any(dim=1), second, torch.full_like(second, -1))])  # [2, S]
     locations = torch.stack([(locations1 * mask1).sum(dim=1), (locations2 * mask2).sum(dim=1)])  # [2, S]
     return Routing(l_aux, cap, experts, locations, torch.stack([gates1 / denom, gates2 / denom]), counts)
+
+
+def topk(logits: torch.Tensor, k: int, factor: float, min_capacity: int, drop_tokens: bool = True,
+         ep: GroupInfo | None = None) -> Routing:
+    """logits [S, E] float32 -> k routes per token, k > 2 (DeepSpeed's topkgating, drop policy "probs"): the capacity
+    is ``ceil(S / E x factor x k)``, an over-full expert keeps its tokens of largest gate value, and each token's kept
+    gates are renormalised to sum to 1."""
+    gates = F.softmax(logits, dim=1)  # [S, E]
+    num_tokens, num_experts = gates.shape
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)  # [S, k]
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)  # [S, E]
+    counts = mask.sum(dim=0)
+    l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
+    if drop_tokens:
+        cap = capacity(num_tokens, num_experts, factor * k, min_capacity)
+        ranked = torch.zeros_like(gates).scatter(1, top_idx, top_gate)  # [S, E]: the chosen gates, else 0
+        keep = torch.topk(ranked, k=min(cap, num_tokens), dim=0, sorted=False)[1]  # [C, E]
+        mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, keep, True)
+    else:
+        cap = _busiest(counts, ep)
+    locations = torch.cumsum(mask, dim=0) - 1  # [S, E]
+    masked = gates * mask
+    masked = masked / torch.clamp(masked.sum(dim=-1, keepdim=True), min=torch.finfo(masked.dtype).eps)
+    kept = mask.gather(1, top_idx)  # [S, k]
+    experts = torch.where(kept, top_idx, torch.full_like(top_idx, -1))
+    return Routing(l_aux, cap, experts.t(), (locations.gather(1, top_idx) * kept).t(), masked.gather(1, top_idx).t(),
+                   counts)
