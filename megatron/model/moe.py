@@ -12,7 +12,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from megatron.core.tensor_parallel.layers import init_device, initialize_uniform
+from megatron.core.tensor_parallel.layers import init_device, initialize_uniform, mark_replicated
 from megatron.model.mlp import MLP
 from megatron.model.moe_experts import RoutedExperts, expert_group_name
 
@@ -42,9 +42,11 @@ class MoE(_DeepSpeedMoE):
         self.use_residual = cfg.moe.mlp_type == "residual"
         if self.use_residual:
             # PR-MoE: upstream's residual MLP is its expert template, split over TP only with expert TP.
-            expert_tp = tp if cfg.moe.enable_expert_tensor_parallelism else GroupInfo([0], 0, None)
-            self.mlp = MLP(cfg, layer_number, tp=expert_tp, sequence_parallel=False, init_seed=init_seed,
-                           init_prefix=f"layers.{layer_number}.mlp.residual")
+            expert_tp = cfg.moe.enable_expert_tensor_parallelism
+            self.mlp = MLP(cfg, layer_number, tp=tp if expert_tp else GroupInfo([0], 0, None), sequence_parallel=False,
+                           init_seed=init_seed, init_prefix=f"layers.{layer_number}.mlp.residual")
+            if not expert_tp:
+                mark_replicated(self.mlp)
             self.coefficient = nn.Linear(cfg.hidden_size, 2, device=init_device())
             bound = 1.0 / math.sqrt(cfg.hidden_size)  # torch.nn.Linear's default, keyed
             for name, p in self.coefficient.named_parameters():

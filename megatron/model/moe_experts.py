@@ -15,7 +15,7 @@ from megatron.core.moe import draws, gating
 from megatron.core.moe.dispatch import combine, dispatch, route_slots
 from megatron.core.moe.mappings import all_to_all, gather_capacity, split_capacity
 from megatron.core.parallel_state import GroupInfo
-from megatron.core.tensor_parallel.layers import init_device, initialize_uniform
+from megatron.core.tensor_parallel.layers import init_device, initialize_uniform, mark_replicated
 from megatron.model.mlp import MLP
 
 
@@ -57,6 +57,8 @@ class Experts(nn.Module):
         self.deepspeed_experts = nn.ModuleList(
             MLP(cfg, layer_number, tp=mlp_tp, sequence_parallel=self.expert_tp, init_seed=init_seed,
                 init_prefix=f"layers.{layer_number}.mlp.experts.{first + i}") for i in range(local))
+        if not self.expert_tp:
+            mark_replicated(self)
         for p in self.parameters():
             p.allreduce = False
             p.group_name = expert_group_name(ep.size)

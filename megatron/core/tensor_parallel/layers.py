@@ -38,6 +38,13 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 
     param.partition_stride = stride
 
 
+def mark_replicated(module: nn.Module) -> None:
+    """A module built with a lone TP group inside a TP > 1 model (MoE experts without expert tensor parallelism)
+    holds whole weights on every TP rank: its parameters count once in norms and are not TP shards in checkpoints."""
+    for p in module.parameters():
+        p.tensor_model_parallel = False
+
+
 def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int, tp: GroupInfo,
                      std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1) -> None:
     """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std).
