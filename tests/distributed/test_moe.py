@@ -13,12 +13,11 @@ import torch
 
 from tests.launcher import run_distributed
 
-STEPS, GBS, MBS, SEQ, VOCAB, SEED = 4, 8, 2, 16, 120, 5
+STEPS, GBS, MBS, SEQ, VOCAB, SEED = 3, 8, 2, 16, 120, 5
 TOL = 1e-5
 
 # name -> (TP, EP, ZeRO stage, sequence parallel, MoE settings, other model settings of the layout's run)
 LAYOUTS = {
-    "ep2 top1 rts drop": (1, 2, 0, False, dict(topk=1, moe_train_capacity_factor=0.75), {}),
     "ep4 top2 sampling drop": (1, 4, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
     "ep2xtp2 expert-tp sp top1 no-drop": (2, 2, 0, True, dict(topk=1, moe_token_dropping=False,
                                                               enable_expert_tensor_parallelism=True), {}),
