@@ -18,12 +18,15 @@ import os
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import groups as ds_groups
 
 from megatron.compat import ds_json
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
+from megatron.model.moe import MoE
+from megatron.model.moe_experts import expert_group_name
 from megatron.optim.grad_norm import grad_norm
 from megatron.optim.lr_schedule import OptimizerParamScheduler
 from megatron.optim.optimizer import make_optimizer, param_groups
@@ -116,6 +119,16 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
             raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --ds-sequence-parallel-size "
                               f"{p.sp}: DeepSpeed's ZeRO-3 then scales SP gradients inconsistently; drop the key")
         zero["reduce_scatter"] = True
+    if run.model.moe.enabled and p.zero_stage == 3:  # the flag was refused before; this is the JSON's stage
+        raise ConfigError(f"{source} sets zero_optimization.stage=3 with --num-experts: DeepSpeed's ZeRO-3 does not "
+                          "shard expert parameters (its engine refuses MoE); use stage 1 or 2")
+    if run.model.moe.enabled and p.zero_stage in (1, 2) and zero.get("reduce_scatter") is False:
+        # Its all-reduce path reduces a whole gradient bucket over the data-parallel group, experts included.
+        raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --num-experts: DeepSpeed then "
+                          "sums different experts' gradients over the data-parallel group; drop the key")
+    if run.model.moe.enabled and p.zero_stage == 2 and zero.get("contiguous_gradients") is False:
+        raise ConfigError(f"{source} sets zero_optimization.contiguous_gradients=false with --num-experts: DeepSpeed's "
+                          "ZeRO-2 partitions expert gradients only from the contiguous buffer; drop the key")
     if p.pp > 1 and p.zero_stage >= 2:
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
@@ -178,6 +191,9 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
             _agree(section, "zero_hierarchy_weights", p.zero_hierarchy_weights, "--zero-hierarchy-weights", source)
         section["zero_hierarchy_int8"] = bool(section.get("zero_hierarchy_int8")) or p.zero_hierarchy_int8
     hcfg = hierarchical_zero.from_ds_config(cfg)
+    if hcfg is not None and run.model.moe.enabled:
+        raise ConfigError(f"hierarchical ZeRO ({source}) with --num-experts: its engine reduces every gradient over "
+                          "the whole data-parallel group, not the experts' own replicas; use --zero-stage 1 or 2")
     if hcfg is not None and p.sp > 1:
         raise ConfigError(f"hierarchical ZeRO ({source} / --zero-hierarchy) with --ds-sequence-parallel-size {p.sp}: "
                           "its engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
@@ -262,9 +278,13 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
     pipeline = isinstance(model, deepspeed.PipelineModule)
-    if pipeline and _plain_fp32(run) and ds_config.get("gradient_clipping", 0) > 0:
+    experts = any(isinstance(m, MoE) for m in model.modules())
+    if experts:
+        _register_expert_groups(pstate)
+    if (pipeline or experts) and _plain_fp32(run) and ds_config.get("gradient_clipping", 0) > 0:
         # DeepSpeed's ZeRO-0 clip under a pipeline counts replicated weights on stage 0 only (its "model
-        # parallel rank" spans PP x TP), so clip ourselves, after the DP and tied-weight reductions.
+        # parallel rank" spans PP x TP), and with experts averages the ranks' norms (each counts its own experts
+        # only): clip ourselves, after the DP, expert and tied-weight reductions.
         ds_config = dict(ds_config, gradient_clipping=0.0)
         optimizer.register_step_pre_hook(_pipeline_clip_hook(model, pstate, o.clip_grad))
     if pipeline and pstate.sp.size > 1:
@@ -302,6 +322,23 @@ def _track_pipeline_phases(engine) -> None:
 
     engine._INSTRUCTION_MAP = {kind: tracked(_PIPE_PHASES.get(kind.__name__, kind.__name__), fn)
                                for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
+
+
+def _register_expert_groups(pstate: ParallelState) -> None:
+    """DeepSpeed's engine and ZeRO find the expert groups by name in deepspeed.utils.groups, where its MoE layer
+    would create them (and only for its own rank layout): ours (megatron/topology.py "ep" / "edp") are put there
+    instead, under the name our MoE layers give their parameters, so the all-to-alls and the gradient reductions run
+    over the same ranks. The run's expert groups are exactly these (an earlier engine's in this process are dropped)."""
+    if pstate.ep.group is None and pstate.world_size > 1:
+        raise RuntimeError("a model with experts needs its expert groups: build the ParallelState with ep_size")
+    name = expert_group_name(pstate.ep.size)
+    for table in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = pstate.ep.group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(pstate.ep.ranks)
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = pstate.edp.group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(pstate.edp.ranks)
 
 
 def is_pipeline(engine) -> bool:

@@ -140,6 +140,15 @@ BOUNDS: dict[str, Bound] = {
     "tensorboard_log_interval": Bound(1, ITERS),
     "tensorboard_queue_size": Bound(1, 2**31),
     "timing_log_level": Bound(0, 2),
+    # mixture of experts (megatron/config/moe.py)
+    "num_experts": Bound(1, 2**16),                                    # sanity; 1 = a dense layer
+    "expert_interval": Bound(1, 2**14),                                # <= --num-layers for any MoE layer
+    "topk": Bound(1, 2**16),                                           # <= the experts (MoEConfig)
+    "moe_train_capacity_factor": Bound(0, None, open="lo"),            # 0 would give every expert no slot
+    "moe_eval_capacity_factor": Bound(0, None, open="lo"),
+    "moe_min_capacity": Bound(0, None),
+    "moe_loss_coeff": Bound(0, None),                                  # 0: the balancing loss is only logged
+    "moe_expert_parallel_size": Bound(1, 2**16),                       # sanity; divides DP and the experts
 }
 
 

@@ -358,12 +358,18 @@ class GroupReport:
         return f"{self.kind.upper()}: {len(self.groups)} groups of {self.size}; tiers: {counts}{note}"
 
 
-def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str, list[list[int]]]:
+def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1,
+                    ep: int | None = None) -> dict[str, list[list[int]]]:
     """Megatron's rank order (TP innermost, then DP, then PP): rank = (pp_i * dp + dp_i) * tp + tp_i.
 
     With DeepSpeed-Ulysses (``sp`` > 1) that data-parallel dimension splits into SP (inner) x DP (outer):
     "sdp" holds the former DP groups (gradients and ZeRO shards span them), "sp" their consecutive runs of
-    ``sp`` ranks (one sequence's shards: the all-to-alls), "dp" their strided members (different samples)."""
+    ``sp`` ranks (one sequence's shards: the all-to-alls), "dp" their strided members (different samples).
+
+    A model with experts (``ep`` not None, 1 included) splits each DP group into EP (inner) x replicas: "ep" holds
+    its consecutive runs of ``ep`` ranks (one copy of all experts: the token all-to-alls, inside a node where they
+    fit), "edp" its strided members (the replicas of the same experts: their gradients), as DeepSpeed's expert
+    groups. 16 ranks, TP=2, EP=2: EP [0,2] [4,6] ... [1,3] ..., EDP [0,4,8,12] [2,6,10,14] [1,5,9,13] ..."""
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} ranks")
@@ -381,6 +387,12 @@ def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str,
         groups["sp"] = [g[i:i + sp] for g in sdp for i in range(0, dp, sp)]
         groups["dp"] = [g[j::sp] for g in sdp for j in range(sp)]
         groups["sdp"] = sdp
+    if ep is not None:
+        if dp % ep:
+            raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp}: use a "
+                              f"divisor of {dp}")
+        groups["ep"] = [g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep)]
+        groups["edp"] = [g[j::ep] for g in groups["dp"] for j in range(ep)]
     return groups
 
 

@@ -18,6 +18,14 @@ def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
                                data_seed: int = 9) -> tuple[list[float], list[float]]:
     """``reference_losses`` and each iteration's gradient norm before clipping: Adam and active clipping hide a
     uniformly scaled gradient from the losses, the norm does not."""
+    losses, norms, _ = reference_run(run, steps, dataset_size, data_seed)
+    return losses, norms
+
+
+def reference_run(run, steps: int, dataset_size: int = 4000,
+                  data_seed: int = 9) -> tuple[list[float], list[float], list[float] | None]:
+    """``reference_losses_and_norms`` and, for a model with MoE layers, each iteration's mean MoE loss (added to
+    the lm loss in the backward, as train_step does; None without MoE)."""
     from megatron.core.parallel_state import single_process_state
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.model.gpt_model import GPTModel
@@ -41,17 +49,20 @@ def reference_losses_and_norms(run, steps: int, dataset_size: int = 4000,
     n_micro = t.global_batch_size // mbs
     data = microbatches(MockGPTDataset(dataset_size, m.seq_length, m.vocab_size, seed=data_seed), 0, mbs, 0, 1,
                         "cpu")
-    losses, norms = [], []
+    losses, norms, moe_losses = [], [], []
     for _ in range(steps):
         opt.zero_grad()
-        total = 0.0
+        total, moe_total = 0.0, 0.0
         for _ in range(n_micro):
             loss = gpt_forward_step(model, next(data))
-            (loss / n_micro).backward()
+            moe = model.take_moe_loss()
+            ((loss if moe is None else loss + moe) / n_micro).backward()
             total += loss.item()
+            moe_total += 0.0 if moe is None else moe.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf"))
         opt.step()
         sched.step(t.global_batch_size)
         losses.append(total / n_micro)
         norms.append(norm.item())
-    return losses, norms
+        moe_losses.append(moe_total / n_micro)
+    return losses, norms, moe_losses if run.model.moe.enabled else None

@@ -14,6 +14,7 @@ from megatron.config import (
     DeepSpeedSettings,
     LogOptions,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
@@ -57,6 +58,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
         torch_compile=args.torch_compile,
+        moe=_by_name(MoEConfig, args, num_experts=tuple(args.num_experts)),
     )
     if args.model_size:
         return named_model(args.model_size, **overrides, **common)

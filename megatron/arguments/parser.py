@@ -96,6 +96,30 @@ def _model(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer layer (accelerators only; ignored on CPU)")
 
 
+def _moe(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--num-experts", type=int, nargs="+", default=[1],
+                   help="experts of every MoE layer, or one count per MoE layer (1: dense)")
+    g.add_argument("--expert-interval", type=int, default=2, help="every N-th layer is an MoE layer")
+    g.add_argument("--topk", type=int, default=1, help="experts per token: 1 or 2")
+    g.add_argument("--mlp-type", choices=["standard", "residual"], default="standard",
+                   help="residual: PR-MoE (a dense MLP beside the experts)")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=1,
+                   help="ranks of the data-parallel group the experts are split over")
+    g.add_argument("--enable-expert-tensor-parallelism", action="store_true",
+                   help="split the experts over the TP group like the dense MLP")
+    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-eval-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-min-capacity", type=int, default=4)
+    g.add_argument("--disable-moe-token-dropping", dest="moe_token_dropping", action="store_false",
+                   help="capacity from the busiest expert: no token is dropped")
+    g.add_argument("--moe-loss-coeff", type=float, default=0.1, help="scale of the load-balancing loss")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="accepted: the experts' optimizer groups are always created (docs/moe.md)")
+    g.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
+                   action="store_false", help="top-2: the second largest gate value, not a Gumbel sample")
+
+
 def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch, optimiser and schedule")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -307,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
     _parallel(p)
     _model(p)
+    _moe(p)
     _training(p)
     _checkpointing(p)
     compat.add_upstream_flags(p)  # last: every upstream flag we do not define, to classify what was given

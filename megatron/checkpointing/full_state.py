@@ -66,7 +66,9 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
 
 def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
-
+    if any(n > 1 for n in (meta["run"]["model"].get("moe") or {}).get("num_experts", [1])):
+        raise CheckpointError(f"{ckpt_dir} holds a model with experts (--num-experts): merging or resharding its "
+                              "per-expert files is not built yet; resume it at its own layout")
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]
         return [{canonical_name(k, nl): v for k, v in w.items()}

@@ -79,6 +79,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
     (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata."""
     check_model_shape(saved["run"]["model"], run, where)
     p = saved["run"]["parallel"]
+    check_experts(saved["run"]["model"].get("moe") or {}, p.get("moe_expert_parallel_size", 1), run, where)
     changed = [f"{flag} {p[key]}, now {getattr(run.parallel, key)}"
                for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                                  ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"))
@@ -109,6 +110,30 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
             raise ConfigError(f"--load {where}: saved with --{name} {'on' if prec[name] else 'off'}, now "
                               f"{'on' if getattr(run.precision, name) else 'off'}. Use the same precision, or "
                               "pass --no-load-optim")
+
+
+_MOE_FIELDS = {"num_experts": "--num-experts", "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",
+               "enable_expert_tensor_parallelism": "--enable-expert-tensor-parallelism"}
+
+
+def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) -> None:
+    """Refuse a checkpoint whose experts are laid out otherwise: other MoE layers, counts, PR-MoE or expert TP (its
+    per-expert files hold other tensors), or, for a model with experts, another expert-parallel size (resharding over
+    EP is not built yet)."""
+    now = dataclasses.asdict(run.model.moe)
+    default = dataclasses.asdict(type(run.model.moe)())
+    changed = [f"{flag} ({_shown(saved_moe.get(k, default[k]))} in the checkpoint, {_shown(now[k])} now)"
+               for k, flag in _MOE_FIELDS.items() if _shown(saved_moe.get(k, default[k])) != _shown(now[k])]
+    if changed:
+        raise ConfigError(f"--load {where}: the checkpoint's experts differ: {'; '.join(changed)}. Use the "
+                          "checkpoint's values for these flags")
+    if run.model.moe.enabled and saved_ep != run.parallel.ep:
+        raise ConfigError(f"--load {where}: saved with --moe-expert-parallel-size {saved_ep}, now {run.parallel.ep}: "
+                          "keep the expert-parallel size (resharding a checkpoint over EP is not built yet)")
+
+
+def _shown(v):
+    return list(v) if isinstance(v, list | tuple) else v
 
 
 def check_model_shape(model: dict, run: RunConfig, where: str) -> None:

@@ -147,7 +147,9 @@ _put(NOOP, "only affects deepspeed.initialize(training_data=...), which neither 
      "dataloader_drop_last")
 _put(NOOP, "DeepSpeed only logs a warning when it is not a multiple of 8; the vocabulary comes from the tokenizer",
      "vocabulary_size")
-_put(NOOP, "MoE only; there are no experts here", "use_data_before_expert_parallelism")
+_put(NOOP, "the expert-parallel groups are always consecutive data-parallel ranks here (DeepSpeed's default order, "
+     "megatron/topology.py); the other order changes only which ranks exchange tokens, not a number of the run",
+     "use_data_before_expert_parallelism")
 _put(NOOP, "DeepSpeed reads it only without an mpu; the sequence-parallel size comes from the flags",
      "sequence_parallel_size")
 _section("autotuning", NOOP, "read only by the deepspeed launcher's --autotuning, never by a training run")
@@ -156,7 +158,8 @@ _section("autotuning", NOOP, "read only by the deepspeed launcher's --autotuning
 _section("torch_autocast", REFUSED, "precision comes from --fp16/--bf16: drop the section")
 _section("compile", REFUSED, "DeepCompile is not used here: drop the section (--compile compiles each layer)")
 _section("tensor_parallel", REFUSED, "DeepSpeed AutoTP is for HF models: use --tensor-model-parallel-size")
-_section("expert_parallel", REFUSED, "MoE (AutoEP) is not built here: drop the section")
+_section("expert_parallel", REFUSED, "DeepSpeed's AutoEP rewrites Hugging Face MoE blocks: drop the section and use "
+         "--num-experts / --moe-expert-parallel-size (docs/moe.md)")
 _section("hybrid_engine", REFUSED, "the RLHF hybrid engine is not built here: drop the section")
 _section("weight_quantization", REFUSED, "quantized weights (ZeRO-Init) are not built here: drop the section")
 _section("data_efficiency", REFUSED, "curriculum learning / random-LTD are not built here: drop the section")

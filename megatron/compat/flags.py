@@ -49,7 +49,10 @@ _DS = "DeepSpeed's engine does data parallelism and the optimizer step here, as 
 _KERNEL = "a kernel choice with the same arithmetic; megatron/kernels picks the fastest backend"
 _PIPE = "Megatron's own pipeline schedule; pipelines run on DeepSpeed's engine here, as upstream under --deepspeed"
 _NOT_GPT = "not used by GPT pretraining (upstream reads it only for BERT/T5/ICT models)"
-_MOE = "mixture of experts is not built here: drop the MoE flags (dense GPT only)"
+_TUTEL = ("Tutel's MoE kernels are not used here (the same gate and dispatch arithmetic runs in torch): drop the "
+          "flag")
+_SWITCH = ("Megatron-LM's switch MLP (argmax routing without capacity or load-balancing loss) is not built: use "
+           "--num-experts with --topk 1 (DeepSpeed-MoE)")
 
 
 def _is_rope(args: argparse.Namespace) -> bool:
@@ -148,22 +151,9 @@ REFUSALS: dict[str, Refused] = {
     "--batch-size": Refused("use --micro-batch-size (upstream refuses it too)"),
     "--warmup": Refused("use --lr-warmup-fraction or --lr-warmup-iters (upstream refuses it too)"),
     "--model-parallel-size": Refused("use --tensor-model-parallel-size (upstream refuses it too)"),
-    # mixture of experts
-    "--num-experts": Refused(_MOE),
-    "--mlp-type": Refused(_MOE),
-    "--topk": Refused(_MOE),
-    "--expert-interval": Refused(_MOE),
-    "--num-experts-switch": Refused(_MOE),
-    "--disable-moe-token-dropping": Refused(_MOE),
-    "--moe-train-capacity-factor": Refused(_MOE),
-    "--moe-eval-capacity-factor": Refused(_MOE),
-    "--moe-min-capacity": Refused(_MOE),
-    "--moe-loss-coeff": Refused(_MOE),
-    "--create-moe-param-group": Refused(_MOE),
-    "--disable-moe-top2-2nd-expert-sampling": Refused(_MOE),
-    "--use-tutel": Refused(_MOE),
-    "--enable-expert-tensor-parallelism": Refused(_MOE),
-    "--moe-expert-parallel-size": Refused(_MOE),
+    # mixture of experts: the DeepSpeed-MoE flags are honoured (megatron/config/moe.py); these two are not
+    "--num-experts-switch": Refused(_SWITCH),
+    "--use-tutel": Refused(_TUTEL),
     # model variants with other arithmetic
     "--apply-layernorm-1p": Refused("the 1+gamma norm parametrisation is not built: drop the flag"),
     "--apply-residual-connection-post-layernorm": Refused("post-norm residuals are not built: drop the flag"),

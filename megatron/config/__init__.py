@@ -8,6 +8,7 @@ from megatron.config.checkpoint import CheckpointSettings
 from megatron.config.data import DataConfig
 from megatron.config.log import LogOptions, ProfileConfig
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.optimizer import OptimizerConfig, PrecisionConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.run import RunConfig
@@ -15,6 +16,6 @@ from megatron.config.runtime import DeepSpeedSettings, RuntimeConfig
 from megatron.config.sizes import model_names, named_model
 from megatron.config.training import TrainingConfig
 
-__all__ = ["CheckpointSettings", "DataConfig", "DeepSpeedSettings", "LogOptions", "ModelConfig", "OptimizerConfig",
-           "ParallelConfig", "PrecisionConfig", "ProfileConfig", "RunConfig", "RuntimeConfig", "TrainingConfig",
-           "model_names", "named_model"]
+__all__ = ["CheckpointSettings", "DataConfig", "DeepSpeedSettings", "LogOptions", "ModelConfig", "MoEConfig",
+           "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "ProfileConfig", "RunConfig", "RuntimeConfig",
+           "TrainingConfig", "model_names", "named_model"]

@@ -1,11 +1,12 @@
 """The model's shape and variant (GPT-2 or Llama), and the one parameter-count formula the planner, the pipeline
-partitioner and the layout report share."""
+partitioner, the layout report and the FLOPs count share (mixture-of-experts layers included)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from megatron.config.moe import MoEConfig
 from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
@@ -81,6 +82,8 @@ class ModelConfig:
     (Megatron's default; --no-bias-dropout-fusion turns it off). Same arithmetic as the unfused path."""
     torch_compile: bool = False
     """--compile: torch.compile each transformer layer (megatron/model/compile.py); ignored on CPU."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (megatron/config/moe.py); the default is the dense model."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -115,16 +118,42 @@ class ModelConfig:
         """One norm's parameters (LayerNorm: weight and bias; RMSNorm: weight)."""
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
-    def layer_parameters(self, tp: int = 1) -> int:
-        """Parameters of one transformer layer held by one TP rank: the QKV, projection and MLP matrices (and their
-        column-parallel biases) are split over TP, the row-parallel biases and the two norms are replicated."""
+    def mlp_parameters(self) -> int:
+        """One whole MLP (a dense layer's, or one expert): fc1 and fc2 with their biases."""
         h, f = self.hidden_size, self.ffn_hidden_size
+        fc1_out = 2 * f if self.swiglu else f  # SwiGLU's fc1 holds the gate and the up projection
+        bias = 1 if self.add_bias_linear else 0
+        return h * fc1_out + bias * fc1_out + f * h + bias * h
+
+    def layer_parameters(self, tp: int = 1, num_experts: int = 1, ep: int = 1) -> int:
+        """Parameters of one transformer layer held by one TP rank: the QKV, projection and MLP matrices (and their
+        column-parallel biases) are split over TP, the row-parallel biases and the two norms are replicated.
+
+        ``num_experts`` > 1: an MoE layer (megatron/model/moe.py), whose experts are split over ``ep`` expert-parallel
+        ranks and, only with --enable-expert-tensor-parallelism, over TP; its gate (and PR-MoE's mixing
+        coefficient) is replicated, PR-MoE's dense MLP split over TP like the experts."""
+        h = self.hidden_size
         kv = self.num_key_value_heads * self.head_dim
         bias = 1 if self.add_bias_linear else 0
-        fc1_out = 2 * f if self.swiglu else f  # SwiGLU's fc1 holds the gate and the up projection
-        sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * fc1_out + bias * fc1_out + f * h
-        replicated = 2 * bias * h + 2 * self.norm_parameters()
-        return sharded // tp + replicated
+        attention = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h
+        replicated = bias * h + 2 * self.norm_parameters()  # the projection's row-parallel bias and the norms
+        if num_experts == 1:  # the MLP's fc2 bias is row-parallel: replicated
+            return (attention + self.mlp_parameters() - bias * h) // tp + replicated + bias * h
+        expert_tp = tp if self.moe.enable_expert_tensor_parallelism else 1
+        # An expert under TP is the dense MLP's split (fc2's bias replicated); without, whole on every TP rank.
+        expert = (self.mlp_parameters() - bias * h) // expert_tp + bias * h
+        moe = num_experts // ep * expert + num_experts * h  # the local experts and the gate [E, h]
+        if self.moe.mlp_type == "residual":
+            moe += expert + 2 * h + 2  # PR-MoE's dense MLP and its mixing coefficient Linear(h, 2)
+        return attention // tp + replicated + moe
+
+    def active_layer_parameters(self, num_experts: int = 1) -> int:
+        """Parameters one token passes through in one layer (full model): a dense layer's all; an MoE layer's gate
+        and its top-k experts (PR-MoE: plus the dense MLP), what its FLOPs follow."""
+        if num_experts == 1:
+            return self.layer_parameters()
+        one = self.layer_parameters(num_experts=num_experts, ep=num_experts)  # exactly one expert held
+        return one + (self.moe.topk - 1) * self.mlp_parameters()
 
     def position_parameters(self) -> int:
         """The learned position table (replicated over TP, as Megatron's); rotary embeddings have none."""
@@ -135,12 +164,18 @@ class ModelConfig:
         """One TP rank's rows of the padded word embedding (the untied output layer has as many)."""
         return self.padded_vocab_size(tp) * self.hidden_size // tp
 
-    def num_parameters(self, tp_size: int = 1) -> int:
-        """Exact count of the full (unsharded) model's parameters, with the vocabulary padded for ``tp_size``."""
+    def layer_experts(self) -> list[int]:
+        """Expert count of every layer (1: dense)."""
+        return self.moe.experts_per_layer(self.num_layers)
+
+    def num_parameters(self, tp_size: int = 1, active: bool = False) -> int:
+        """Exact count of the full (unsharded) model's parameters, with the vocabulary padded for ``tp_size``.
+        ``active``: an MoE layer counts only what one token passes through (``active_layer_parameters``)."""
         words = self.word_embedding_parameters(tp_size) * tp_size
         out = 0 if self.tie_embeddings else words
-        return self.num_layers * self.layer_parameters() + words + self.position_parameters() + \
-            self.norm_parameters() + out
+        layers = sum(self.active_layer_parameters(n) if active else self.layer_parameters(num_experts=n)
+                     for n in self.layer_experts())
+        return layers + words + self.position_parameters() + self.norm_parameters() + out
 
     def validate(self, tp_size: int = 1) -> None:
         check_fields(self, _BOUNDED)

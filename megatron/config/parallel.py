@@ -28,6 +28,9 @@ class ParallelConfig:
     the sequence; attention switches to head-sharded with two all-to-alls (megatron/core/ulysses.py)."""
     no_pipeline_parallel: bool = False
     """--no-pipeline-parallel: the plain GPTModel, not DeepSpeed's pipeline engine (PP must be 1)."""
+    moe_expert_parallel_size: int = 1
+    """--moe-expert-parallel-size: each MoE layer's experts are split over this many consecutive ranks of the
+    data-parallel group (megatron/topology.py parallel_groups: "ep", and "edp" for the experts' replicas)."""
 
     @property
     def tp(self) -> int:
@@ -42,6 +45,10 @@ class ParallelConfig:
         return self.ds_sequence_parallel_size
 
     @property
+    def ep(self) -> int:
+        return self.moe_expert_parallel_size
+
+    @property
     def dp(self) -> int:
         """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
         return self.world_size // (self.tp * self.pp * self.sp)
@@ -49,7 +56,8 @@ class ParallelConfig:
     def validate(self) -> None:
         check_fields(self, {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                             "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-                            "ds_sequence_parallel_size": "--ds-sequence-parallel-size", "zero_stage": "--zero-stage"})
+                            "ds_sequence_parallel_size": "--ds-sequence-parallel-size", "zero_stage": "--zero-stage",
+                            "moe_expert_parallel_size": "--moe-expert-parallel-size"})
         if self.pp > 1 and self.no_pipeline_parallel:
             raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {self.pp}: the plain "
                               "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")

@@ -44,6 +44,7 @@ class RunConfig:
         self.parallel.validate()
         self.model.validate(self.parallel.tp)
         self._validate_sequence_parallel()
+        self._validate_moe()
         self.precision.validate()
         self.optimizer.validate()
         self.training.validate(self.parallel.dp)
@@ -51,6 +52,38 @@ class RunConfig:
         for part in (self.data, self.checkpoint, self.logging, self.profile, self.runtime):
             part.validate()
         return self
+
+    def _validate_moe(self) -> None:
+        """Mixture of experts on this layout: the experts split evenly over the expert-parallel ranks, which the
+        data-parallel group holds; what is not built with MoE is refused, one line each."""
+        moe, p = self.model.moe, self.parallel
+        moe.validate(self.model.num_layers, self.training.micro_batch_size * self.model.seq_length)
+        flag = f"--moe-expert-parallel-size {p.ep}"
+        if not moe.enabled:
+            if p.ep > 1:
+                self.notes.append(f"> {flag} has no effect: no layer has experts (--num-experts), as upstream")
+            return
+        if p.dp % p.ep:
+            raise ConfigError(f"{flag} does not divide the data-parallel size {p.dp} (world {p.world_size} / TP "
+                              f"{p.tp} / PP {p.pp}): the expert-parallel ranks are data-parallel ranks; use a divisor "
+                              f"of {p.dp}")
+        uneven = sorted({n for n in moe.num_experts if n > 1 and n % p.ep})
+        if uneven:
+            raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
+                              "the same number of experts; use a multiple of it")
+        refused = (
+            (p.pp > 1, f"--pipeline-model-parallel-size {p.pp}: MoE layers on DeepSpeed's pipeline engine are not "
+                       "built yet (the load-balancing loss would have to travel between the stages); use PP 1"),
+            (p.sp > 1, f"--ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a sequence, another "
+                       "capacity than one process's; use --sequence-parallel (Megatron's) or SP 1"),
+            (bool(p.zero_hierarchy), "--zero-hierarchy: hierarchical ZeRO reduces every gradient over the whole "
+                                     "data-parallel group, not the experts' own replicas; use --zero-stage 1 or 2"),
+            (p.zero_stage == 3, "--zero-stage 3: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine "
+                                "refuses MoE); use --zero-stage 1 or 2"),
+        )
+        for bad, why in refused:
+            if bad:
+                raise ConfigError(f"mixture of experts (--num-experts) with {why}")
 
     def _validate_sequence_parallel(self) -> None:
         """Ulysses splits the sequence into SP chunks and each TP rank's heads (query and KV) into SP groups."""

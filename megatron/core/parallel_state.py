@@ -32,11 +32,13 @@ import deepspeed.comm as dist
 from megatron.topology import parallel_groups
 
 
-def layout_groups(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str, list[list[int]]]:
+def layout_groups(world_size: int, tp: int, pp: int, sp: int = 1,
+                  ep: int | None = None) -> dict[str, list[list[int]]]:
     """Pure function: the rank lists of every TP, DP and PP group (``megatron.topology.parallel_groups``, the one
-    statement of Megatron's rank order; with SP > 1 also "sp" and "sdp"), plus "mp": the TP x PP ranks of each
-    full model replica (each SP rank counts as one: after the gradient reduction SP peers hold equal grads)."""
-    groups = parallel_groups(world_size, tp, pp, sp)
+    statement of Megatron's rank order; with SP > 1 also "sp" and "sdp", with experts "ep" and "edp"), plus "mp":
+    the TP x PP ranks of each full model replica (each SP rank counts as one: after the gradient reduction SP peers
+    hold equal grads; an EP rank holds only its own experts, which the gradient norm adds over "ep")."""
+    groups = parallel_groups(world_size, tp, pp, sp, ep)
     dp = world_size // (tp * pp)
     groups["mp"] = [[(p * dp + d) * tp + t for p in range(pp) for t in range(tp)] for d in range(dp)]
     return groups
@@ -69,23 +71,33 @@ class ParallelState:
     """DeepSpeed-Ulysses sequence group (size 1 without it)."""
     sdp: GroupInfo | None = None
     """SP x DP: where gradients are reduced and ZeRO shards (the DP group itself without SP)."""
+    ep: GroupInfo | None = None
+    """Expert parallelism: the DP ranks that together hold one copy of every expert (a lone rank, without a group
+    handle, in a model without experts)."""
+    edp: GroupInfo | None = None
+    """The replicas of this rank's experts: where their gradients are reduced (the DP group itself without EP)."""
 
     def __post_init__(self) -> None:
         if self.sp is None:
             self.sp = GroupInfo([self.global_rank], 0, None)
         if self.sdp is None:
             self.sdp = self.dp
+        if self.ep is None:
+            self.ep = GroupInfo([self.global_rank], 0, None)
+        if self.edp is None:
+            self.edp = self.dp
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int = 1, world_size: int | None = None,
-              global_rank: int | None = None, sp_size: int = 1) -> ParallelState:
-        """Create the groups. Every rank must call this in the same order (new_group is collective)."""
+              global_rank: int | None = None, sp_size: int = 1, ep_size: int | None = None) -> ParallelState:
+        """Create the groups. Every rank must call this in the same order (new_group is collective). ``ep_size``: a
+        model with experts (its EP and expert-replica groups exist even at size 1: DeepSpeed reduces over them)."""
         distributed = dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if distributed else 1
         if global_rank is None:
             global_rank = dist.get_rank() if distributed else 0
-        groups = layout_groups(world_size, tp_size, pp_size, sp_size)
+        groups = layout_groups(world_size, tp_size, pp_size, sp_size, ep_size)
         mine = {}
         for kind, lists in groups.items():
             for ranks in lists:
@@ -93,7 +105,7 @@ class ParallelState:
                 if global_rank in ranks:
                     mine[kind] = GroupInfo(ranks, ranks.index(global_rank), handle)
         return cls(world_size, global_rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups,
-                   mine.get("sp"), mine.get("sdp"))
+                   mine.get("sp"), mine.get("sdp"), mine.get("ep"), mine.get("edp"))
 
     # --- the mpu interface DeepSpeed probes (model parallel == tensor parallel here) ---
     def get_model_parallel_rank(self) -> int:
@@ -150,7 +162,7 @@ class ParallelState:
     def describe(self) -> str:
         """Which global ranks form each group (printed by rank 0 at start-up)."""
         lines = []
-        for kind in ("tp", "pp", "dp", "sp", "sdp"):
+        for kind in ("tp", "pp", "dp", "sp", "sdp", "ep", "edp"):
             if kind not in self.all_groups:
                 continue
             lists = self.all_groups[kind]

@@ -137,6 +137,20 @@ def build_train_valid_test_datasets(
     return tuple(results)
 
 
+class NumberedSamples:
+    """A data set whose samples also carry their index (``sample_index``): the MoE gates draw their random numbers
+    from it (megatron/core/moe/draws.py), so every layout draws the same ones for the same sample."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict:
+        return {**self.dataset[idx], "sample_index": idx}
+
+
 def build_data_loader(
     dataset,
     consumed_samples: int,
@@ -148,7 +162,8 @@ def build_data_loader(
     seed: int = 0,
     data_sharding: bool = True,
 ):
-    """A torch DataLoader over this rank's micro-batches; batches are ``{"text": LongTensor[b, seq_length+1]}``.
+    """A torch DataLoader over this rank's micro-batches; batches are ``{"text": LongTensor[b, seq_length+1],
+    "sample_index": LongTensor[b]}``.
 
     ``dataloader_type`` is Megatron's: "single" (sequential, the default) or "cyclic" (shuffled per epoch; one pass
     of the loader is one epoch). The batches are upstream's samplers' for the same consumed count.
@@ -167,6 +182,7 @@ def build_data_loader(
     # Its own generator: a DataLoader iterator otherwise draws its worker base seed from the global torch RNG
     # at the first next(), which shifts dropout masks after a resume (the RNG is restored before that draw).
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False, persistent_workers=num_workers > 0,
+        NumberedSamples(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=False,
+        persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed + consumed_samples),
     )

@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from megatron.core.moe.draws import token_keys
 from megatron.core.tensor_parallel.recompute import CheckpointOptions, checkpoint_with
 from megatron.core.ulysses import position_ids as sequence_position_ids
 from megatron.model.compile import compile_transformer_layers
@@ -22,18 +23,25 @@ from megatron.model.transformer import TransformerLayer
 
 class GPTModel(nn.Module):
     """tokens [b, s] -> per-token loss [b, s] (fp32) when labels are given, else vocab-parallel
-    logits [b, s, V/tp]. With DeepSpeed-Ulysses (``sp``) tokens and labels are this SP rank's slice [b, s/SP]."""
+    logits [b, s, V/tp]. With DeepSpeed-Ulysses (``sp``) tokens and labels are this SP rank's slice [b, s/SP].
+
+    With mixture-of-experts layers (``cfg.moe``, experts split over ``ep``) each forward leaves the scaled sum of their
+    load-balancing losses for ``take_moe_loss``; ``sample_index`` [b] (the samples' indices in the data set) keys the
+    gates' random draws, so they follow the tokens, not the layout."""
 
     def __init__(self, cfg: ModelConfig, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234, sp: GroupInfo | None = None) -> None:
+                 init_seed: int = 1234, sp: GroupInfo | None = None, ep: GroupInfo | None = None) -> None:
         super().__init__()
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.init_seed = cfg, tp, init_seed
         self.sp = sp if sp is not None else GroupInfo([0], 0, None)
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
         common = dict(tp=tp, sequence_parallel=self.sequence_parallel, init_seed=init_seed)
         self.embedding = Embedding(cfg, self.padded_vocab_size, **common)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common, sp=self.sp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common, sp=self.sp, num_experts=n, ep=ep)
+                                    for i, n in enumerate(cfg.layer_experts()))
+        self.moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
+        self._moe_loss: torch.Tensor | None = None
         self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
                                     sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
@@ -42,28 +50,50 @@ class GPTModel(nn.Module):
         compile_transformer_layers(self, cfg.torch_compile)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, sample_index: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is None and self.sp.size > 1:  # learned positions are global (RoPE is, after the all-to-all)
             position_ids = sequence_position_ids(tokens.shape[1], self.sp, tokens.device)
+        keys = self._token_keys(tokens, sample_index)
         x = self.embedding(tokens, position_ids)  # [s(/sp)(/tp), b, h]
         for start, end, recompute in self.segments:
-            run = self.layers[start] if end == start + 1 else self._layers(start, end)
+            run = self._layers(start, end, keys)
             if self.training and recompute:  # keeps only the segment's input [s, b, h] (or 1/TP of it)
                 x = checkpoint_with(run, x, self.checkpoint_options, self.tp.group, self.tp.size)
             else:
                 x = run(x)
+        if self.moe_layers:
+            self._moe_loss = self.cfg.moe.moe_loss_coeff * torch.stack([m.aux_loss for m in self.moe_layers]).sum()
         x = self.final_layernorm(x)
         tied = self.embedding.word_embeddings.weight if self.cfg.tie_embeddings else None
         return self.output_layer(x, labels, tied)
 
 
-    def _layers(self, start: int, end: int):
+    def _layers(self, start: int, end: int, keys: torch.Tensor | None):
+        """Layers [start, end) as one function of x; a recompute calls it again with the same ``keys``."""
+        if keys is None and end == start + 1:
+            return self.layers[start]
+
         def run(x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                x = layer(x)
+                x = layer(x, keys)
             return x
 
         return run
+
+    def _token_keys(self, tokens: torch.Tensor, sample_index: torch.Tensor | None) -> torch.Tensor | None:
+        """[s, b] draw keys of the tokens for the MoE gates (None without MoE layers). Without ``sample_index``
+        (a forward outside the data loader) the micro-batch's own order stands in for it."""
+        if not self.moe_layers:
+            return None
+        if sample_index is None:
+            sample_index = torch.arange(tokens.shape[0], device=tokens.device)
+        return token_keys(sample_index, tokens.shape[1], self.init_seed)
+
+    def take_moe_loss(self) -> torch.Tensor | None:
+        """The last forward's MoE loss: --moe-loss-coeff x the sum of its layers' load-balancing losses (a float32
+        scalar in the graph, to add to the lm loss), or None without MoE layers. Taken once."""
+        loss, self._moe_loss = self._moe_loss, None
+        return loss
 
 
 class OutputLayer(nn.Module):

@@ -113,11 +113,12 @@ def spec_kinds(cfg: ModelConfig) -> list[str]:
     return ["embedding"] + ["layer"] * cfg.num_layers + ["norm", "output"]
 
 
-def spec_parameters(cfg: ModelConfig, tp: int) -> list[int]:
-    """Parameters per spec on one TP rank (analytic: no layer is built just to be counted)."""
+def spec_parameters(cfg: ModelConfig, tp: int, ep: int = 1) -> list[int]:
+    """Parameters per spec on one TP (and, for MoE layers, EP) rank (analytic: no layer is built just to be
+    counted)."""
     words = cfg.word_embedding_parameters(tp)
     # A tied output layer owns no weight but does the same matmul; weigh it like the untied one.
-    return [words + cfg.position_parameters()] + [cfg.layer_parameters(tp)] * cfg.num_layers + \
+    return [words + cfg.position_parameters()] + [cfg.layer_parameters(tp, n, ep) for n in cfg.layer_experts()] + \
         [cfg.norm_parameters(), words]
 
 
@@ -169,6 +170,8 @@ class GPTModelPipe(PipelineModule):
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
+        if cfg.moe.enabled:  # RunConfig refuses MoE with PP > 1 first; this stops a direct build at PP = 1 too
+            raise ConfigError("GPTModelPipe has no MoE layers yet: build GPTModel for a model with --num-experts")
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
         sp = sequence_parallel and tp.size > 1

@@ -15,8 +15,11 @@ from megatron.model.fusions import bias_gelu
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool,
-                 init_seed: int) -> None:
+                 init_seed: int, init_prefix: str | None = None) -> None:
+        """``init_prefix``: the key its weights are drawn under (default ``layers.N.mlp``; each expert of an MoE
+        layer has its own)."""
         super().__init__()
+        prefix = init_prefix or f"layers.{layer_number}.mlp"
         self.swiglu = cfg.swiglu
         # "tanh": OpenAI GPT-2's approximation (HF gelu_new / gelu_pytorch_tanh), so imported weights match.
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
@@ -29,13 +32,13 @@ class MLP(nn.Module):
         # CPU: 6% of the step, bench/RESULTS.md).
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, init_std=cfg.init_method_std, stride=2 if cfg.swiglu else 1,
-            init_key=f"layers.{layer_number}.mlp.fc1",
+            init_key=f"{prefix}.fc1",
             skip_bias_add=cfg.bias_gelu_fusion and cfg.torch_compile and not cfg.swiglu, **common)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
             else cfg.init_method_std
         self.dense_4h_to_h = RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, init_std=out_std,
-            init_key=f"layers.{layer_number}.mlp.fc2", skip_bias_add=cfg.bias_dropout_fusion, **common)
+            init_key=f"{prefix}.fc2", skip_bias_add=cfg.bias_dropout_fusion, **common)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [s(/tp), b, h] -> ([s(/tp), b, h], fc2's bias [h] or None), Megatron's (output, output_bias):

@@ -1,4 +1,5 @@
-"""Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x)), on [s, b, h]."""
+"""Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x)), on [s, b, h]; the MLP of an MoE layer is
+the mixture of experts (megatron/model/moe.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
 from megatron.model.fusions import bias_dropout_add
 from megatron.model.mlp import MLP
+from megatron.model.moe import MoE
 from megatron.model.norms import Norm
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234, sp: GroupInfo | None = None) -> None:
+                 init_seed: int = 1234, sp: GroupInfo | None = None, num_experts: int = 1,
+                 ep: GroupInfo | None = None) -> None:
+        """``num_experts`` > 1: an MoE layer, its experts split over ``ep`` (default: all on this rank)."""
         super().__init__()
         self.cfg = cfg
         self.layer_number = layer_number
@@ -29,7 +33,12 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
                                             init_seed=init_seed, sp=sp)
         self.post_attention_layernorm = Norm(cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel, init_seed=init_seed)
+        self.is_moe = num_experts > 1
+        if self.is_moe:
+            self.mlp = MoE(cfg, layer_number, num_experts, tp=tp, ep=ep if ep is not None else GroupInfo([0], 0, None),
+                           sequence_parallel=sequence_parallel, init_seed=init_seed)
+        else:
+            self.mlp = MLP(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel, init_seed=init_seed)
 
     def _bias_dropout_add(self, y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         p = self.cfg.hidden_dropout if self.training else 0.0
@@ -38,7 +47,8 @@ class TransformerLayer(nn.Module):
         with ctx:
             return bias_dropout_add(y, bias, residual, p, self.training)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s(/tp with SP), b, h] -> same shape."""
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [s(/tp with SP), b, h] -> same shape. ``keys`` [s, b]: the tokens' random-draw keys (MoE layers)."""
         x = self._bias_dropout_add(*self.self_attention(self.input_layernorm(x)), x)
-        return self._bias_dropout_add(*self.mlp(self.post_attention_layernorm(x)), x)
+        y = self.post_attention_layernorm(x)
+        return self._bias_dropout_add(*(self.mlp(y, keys) if self.is_moe else self.mlp(y)), x)

@@ -65,11 +65,35 @@ def make_optimizer(params, o: OptimizerConfig, offload: bool = False, device_typ
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Megatron's split: no weight decay on biases and norm weights (any 1-D parameter). ``wd_mult`` as
-    upstream's groups: the scheduler sets each group's decay to the schedule's times it."""
+    upstream's groups: the scheduler sets each group's decay to the schedule's times it. Experts' parameters get
+    groups of their own (``moe_param_groups``)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.dim() == 1 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
               {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
-    return [g for g in groups if g["params"]]
+    return moe_param_groups([g for g in groups if g["params"]])
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """DeepSpeed's mark of an expert parameter (megatron/model/moe_experts.py sets it)."""
+    return getattr(p, "allreduce", True) is False
+
+
+def moe_param_groups(groups: list[dict]) -> list[dict]:
+    """DeepSpeed's MoE optimizer groups (upstream's --create-moe-param-group): each group's expert parameters move to
+    a group of their own per expert group, marked ``moe`` and named after it, after the dense groups; ZeRO-1/2 shard
+    such a group over the experts' replicas. Always done here: ZeRO needs them, and for the rest the split changes no
+    update. Groups without experts come back as they are."""
+    dense, experts = [], []
+    for g in groups:
+        by_name: dict[str, list] = {}
+        for p in g["params"]:
+            if is_expert_param(p):
+                by_name.setdefault(p.group_name, []).append(p)
+        kept = [p for p in g["params"] if not is_expert_param(p)]
+        if kept:
+            dense.append({**g, "params": kept})
+        experts += [{**g, "params": ps, "moe": True, "name": name} for name, ps in by_name.items()]
+    return dense + experts

@@ -25,7 +25,9 @@ class IterationFlops:
 
 
 def forward_flops_per_token(cfg: ModelConfig, vocab_size: int | None = None) -> tuple[float, float]:
-    """(transformer layers, output logits) forward FLOPs for one token at sequence length cfg.seq_length."""
+    """(transformer layers, output logits) forward FLOPs for one token at sequence length cfg.seq_length.
+    An MoE layer counts what one token runs through: its gate and top-k experts (PR-MoE: and the dense MLP with its
+    mixing coefficient), the active parameters of ModelConfig.active_layer_parameters."""
     h, s, f = cfg.hidden_size, cfg.seq_length, cfg.ffn_hidden_size
     kv = cfg.num_key_value_heads * cfg.head_dim
     v = vocab_size if vocab_size is not None else cfg.padded_vocab_size()
@@ -33,8 +35,15 @@ def forward_flops_per_token(cfg: ModelConfig, vocab_size: int | None = None) -> 
     scores = 2 * 2 * s * h  # QK^T and attention @ V, each s*h MACs per token
     proj = 2 * h * h
     mlp = 2 * h * f * (3 if cfg.swiglu else 2)
-    layer = qkv + scores + proj + mlp
-    return cfg.num_layers * layer, 2 * h * v
+    layers = 0
+    for n in cfg.layer_experts():
+        layer_mlp = mlp
+        if n > 1:
+            layer_mlp = cfg.moe.topk * mlp + 2 * h * n
+            if cfg.moe.mlp_type == "residual":
+                layer_mlp += mlp + 2 * h * 2
+        layers += qkv + scores + proj + layer_mlp
+    return layers, 2 * h * v
 
 
 def iteration_flops(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,

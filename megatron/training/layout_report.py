@@ -13,6 +13,7 @@ from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import OutputLayer
 from megatron.model.gpt_model_pipe import partition, spec_parameters, stage_contents
 from megatron.model.mlp import MLP
+from megatron.model.moe import MoE
 from megatron.model.norms import Norm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_stage_memory
@@ -51,7 +52,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     m, p = run.model, run.parallel
     layout = run_layout(run)
     parts = partition(m, p.pp, partition_method, p.tp)
-    per_spec = spec_parameters(m, p.tp)
+    per_spec = spec_parameters(m, p.tp, p.ep if m.moe.enabled else 1)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
     ulysses = f" x SP {p.sp} (DeepSpeed-Ulysses)" if p.sp > 1 else ""
     lines = [f"> layout: world {p.world_size} = TP {p.tp} x PP {p.pp}{ulysses} x DP {p.dp}; ZeRO-{p.zero_stage}; "
@@ -107,4 +108,9 @@ def model_features(model: nn.Module) -> str:
         parts.append("tied output layer" if outputs[0].linear.weight is None else "untied output layer")
     linears = _of(model, ColumnParallelLinear) + _of(model, RowParallelLinear)
     parts.append("linear biases" if any(m.bias is not None for m in linears) else "no linear biases")
+    moe = _of(model, MoE)
+    if moe:
+        counts = "/".join(str(n) for n in sorted({m.num_experts for m in moe}))
+        parts.append(f"{len(moe)} MoE layers ({counts} experts, {moe[0].num_local_experts} on this rank"
+                     f"{', PR-MoE' if moe[0].use_residual else ''})")
     return "> model features: " + ", ".join(parts)

@@ -37,6 +37,9 @@ class TrainingLogger:
         self.opts = opts or run.logging
         self.params_norm: float | None = None
         """--log-params-norm: the latest value (set by the loop on log steps), printed in the log line."""
+        self.moe_loss: float | None = None
+        """A model with MoE layers: the interval's MoE loss, DP-averaged (set by the loop on log steps), printed after
+        the lm loss as upstream's "moe loss"."""
         t, m = run.training, run.model
         flops = iteration_flops(m, t.global_batch_size, padded_vocab, m.recompute_granularity, m.recompute_num_layers)
         self.flops = flops
@@ -68,15 +71,16 @@ class TrainingLogger:
         self._emit(it, res, consumed)
         self._reset()
 
-    def tensorboard(self, it: int, loss: float, res, consumed: int, batch_size: int) -> None:
+    def tensorboard(self, it: int, loss: float, res, consumed: int, batch_size: int,
+                    moe_loss: float | None = None) -> None:
         """This iteration's scalars under upstream's tags (the loop calls it at --tensorboard-log-interval with the
-        iteration's own DP-mean loss, as upstream's)."""
+        iteration's own DP-mean loss, and MoE loss for a model with experts, as upstream's)."""
         if self.writer is None or self.rank != 0:
             return
         seq = self.run.model.seq_length
         tb.write_training(self.writer, self.opts, it, consumed, consumed * seq, loss=loss, lr=res.lr,
                           batch_size=batch_size, loss_scale=res.loss_scale, world_size=self.world,
-                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq)
+                          grad_norm=res.grad_norm, params_norm=self.params_norm, seq_length=seq, moe_loss=moe_loss)
 
     def _emit(self, it: int, res, consumed: int) -> None:
         t = self.run.training
@@ -96,11 +100,12 @@ class TrainingLogger:
             norm += f" | params norm: {self.params_norm:.3f}"  # upstream's place for it: after the grad norm
         scale = "1.0" if res.loss_scale is None else f"{res.loss_scale:.1f}"
         lr = res.lr if getattr(res, "next_lr", None) is None else res.next_lr  # upstream prints the next update's
+        moe = "" if self.moe_loss is None else f"moe loss: {self.moe_loss:.6E} | "
         line = (
             f" iteration {it:8d}/{t.train_iters:8d} | consumed samples: {consumed:12d} | "
             f"consumed tokens: {consumed * seq:14d} | elapsed time per iteration (ms): {dt * 1000:.1f} | "
             f"learning rate: {lr:.3E} | global batch size: {gbs:5d} | "
-            f"lm loss: {self.loss_sum:.6E} | loss scale: {scale} | grad norm: {norm} | "
+            f"lm loss: {self.loss_sum:.6E} | {moe}loss scale: {scale} | grad norm: {norm} | "
             f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: 0 | "
             f"samples per second: {gbs / dt:.3f} | tokens per second: {tokens_per_s:.1f} | "
             f"tokens per gpu per second (tgs): {tokens_per_s / self.world:.1f} | TFLOPs: {tflops_str} | "

@@ -10,6 +10,7 @@ import torch
 
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
+from megatron.optim.optimizer import is_expert_param
 
 # Upstream's names, in its order; "_l2"/"_l1" are norms over every element, "_abs_max" the largest |value|.
 OPTIMIZER_STATS = ("variance_l2", "variance_sqrt_l2", "momentum_l2", "weight_l2", "variance_l1", "variance_sqrt_l1",
@@ -32,14 +33,21 @@ def _counted_params(module: torch.nn.Module, pstate: ParallelState):
 
 def params_norm(module: torch.nn.Module, pstate: ParallelState) -> float:
     """L2 norm of all model weights (as upstream's calc_params_l2_norm: the weights the model holds, in float64
-    here). Under ZeRO-3 each rank holds a DP partition (``ds_tensor``), so the sum also runs over DP."""
-    sq = torch.zeros(1, dtype=torch.float64)
+    here). Under ZeRO-3 each rank holds a DP partition (``ds_tensor``), so the sum also runs over DP; experts'
+    weights are summed over the expert-parallel ranks (each holds its own)."""
+    sq, experts = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     partitioned = False
     for p in _counted_params(module, pstate):
         data = getattr(p, "ds_tensor", None)
         partitioned |= data is not None
         data = p.data if data is None else data
-        sq += data.detach().double().pow(2).sum().cpu()
+        if is_expert_param(p):
+            experts += data.detach().double().pow(2).sum().cpu()
+        else:
+            sq += data.detach().double().pow(2).sum().cpu()
+    if pstate.ep.size > 1:
+        experts = torch.tensor(comm.reduce_host([experts], pstate.ep.group), dtype=torch.float64)
+    sq += experts
     groups = [pstate.mp] + ([pstate.dp] if partitioned else [])
     for g in groups:
         if g.size > 1:

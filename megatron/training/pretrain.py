@@ -95,7 +95,8 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
                                             rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
                                             rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp,
-                                            track_collectives=tracked)
+                                            track_collectives=tracked,
+                                            ep=run.parallel.ep if run.model.moe.enabled else None)
     rank = pstate.global_rank
     print_rank0(f"> ranks discovered via {ranks.source} ({ranks.world_size} ranks, "
                 f"{ranks.local_world_size} per node)", rank)
@@ -178,7 +179,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, valid_ds, test_ds,
                             resume.iteration, logger, stream, plan)
     first_loss = last_loss = None
-    consumed, interval_sum, interval_n = resume.consumed_samples, 0.0, 0
+    consumed, interval_sum, interval_n, interval_moe = resume.consumed_samples, 0.0, 0, 0.0
     rt = run.runtime
     deadline = start_deadline(DeadlineSettings.from_run(run), run, pstate.world_size, rank)
     saver = AsyncSaver(run, ranks_per_node) if ckpt.save and ckpt.async_save else None
@@ -195,7 +196,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         if deadline is not None and saver is None:  # the measure the next save is predicted from (this job, the next)
             deadline.saved(time.monotonic() - began, it)
 
-    losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, resume.iteration, None
+    losses, moe_losses, lrs, printed_lrs, batch_sizes, it, decision = {}, {}, {}, {}, {}, resume.iteration, None
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     stragglers = StragglerDetector(rt, rank, pstate.world_size, resume.iteration + 1, writer,
                                    FailureLog.in_folder(ckpt.save))
@@ -232,13 +233,15 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         PROGRESS.end_step()
         stragglers.after_iteration(it)
         interval_sum, interval_n = interval_sum + res.loss, interval_n + 1
+        interval_moe += res.moe_loss or 0.0  # MoE layers: their loss, logged beside the lm loss
         log_now = it % t.log_interval == 0 or it == t.train_iters
         tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives
         if opts.params_norm and (log_now or tb_now):
             logger.params_norm = params_norm(engine.module, pstate)
         if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
+            moe_tb = None if res.moe_loss is None else res.moe_loss if dp.size == 1 else dp_mean(res.moe_loss, pstate)
             logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed,
-                               step_gbs)
+                               step_gbs, moe_loss=moe_tb)
             if opts.optimizer_states_to_tb:
                 stats = optimizer_stats(engine.optimizer, pstate, engine.zero_optimization_stage())
                 if writer is not None:
@@ -247,7 +250,10 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         loss = None
         if log_now:  # Megatron's log: the mean over the interval, averaged over DP (one all-reduce)
             loss = dp_mean(interval_sum / interval_n, pstate)
-            interval_sum, interval_n = 0.0, 0
+            logger.moe_loss = None if res.moe_loss is None else dp_mean(interval_moe / interval_n, pstate)
+            if logger.moe_loss is not None:
+                moe_losses[it] = logger.moe_loss
+            interval_sum, interval_n, interval_moe = 0.0, 0, 0.0
             losses[it] = loss
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
@@ -286,7 +292,8 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     if writer is not None:
         writer.close()
         print_rank0(f"> TensorBoard event files in {opts.tensorboard_dir}", rank)
-    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses, "lrs": lrs,
+    return {"first_loss": first_loss, "last_loss": last_loss, "iterations": it, "losses": losses,
+            "moe_losses": moe_losses, "lrs": lrs,
             "printed_lrs": printed_lrs, "batch_sizes": batch_sizes, "consumed_samples": consumed,
             "exit_reason": decision.reason if decision and decision.exit else None, "final_eval": final,
             "valid_losses": evaluation.losses, "stragglers": stragglers.named}

@@ -45,17 +45,22 @@ class StepResult:
     loss_scale: float | None
     next_lr: float | None = None
     """The optimizer's lr after the step (the next update's): what upstream's log prints as "learning rate"."""
+    moe_loss_value: torch.Tensor | float | None = None
+    """Mean MoE loss (--moe-loss-coeff x the layers' load-balancing losses) over this rank's micro-batches; None
+    without MoE layers."""
     _host: list | None = field(default=None, repr=False)
 
+    def _values_in_order(self) -> tuple:
+        return self.loss_value, self.norm_value, self.moe_loss_value
+
     def pending(self) -> list[torch.Tensor]:
-        """The values still on the device, in (loss, norm) order."""
-        return [v for v in (self.loss_value, self.norm_value) if isinstance(v, torch.Tensor)]
+        """The values still on the device, in (loss, norm, moe loss) order."""
+        return [v for v in self._values_in_order() if isinstance(v, torch.Tensor)]
 
     def resolve(self, read: list) -> None:
         """Host copies of ``pending()``, in its order."""
         it = iter(read)
-        self._host = [float(next(it)) if isinstance(v, torch.Tensor) else v
-                      for v in (self.loss_value, self.norm_value)]
+        self._host = [float(next(it)) if isinstance(v, torch.Tensor) else v for v in self._values_in_order()]
 
     def _values(self) -> list:
         if self._host is None:
@@ -70,14 +75,21 @@ class StepResult:
     def grad_norm(self) -> float | None:
         return self._values()[1]
 
+    @property
+    def moe_loss(self) -> float | None:
+        return self._values()[2]
+
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Megatron's contract: batch["text"] is [b, s+1]; predict token t+1 from tokens <= t.
-    Returns the mean lm loss over the micro-batch (scalar, fp32)."""
+    Returns the mean lm loss over the micro-batch (scalar, fp32). A model with MoE layers also gets the samples'
+    indices (their gates' random draws follow them) and leaves its MoE loss for ``take_moe_loss``."""
     tokens = batch["text"]
-    losses = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())  # [b, s]
-    mask = batch.get("loss_mask")
     module = getattr(model, "module", model)
+    keyed = bool(getattr(module, "moe_layers", None)) and "sample_index" in batch
+    extra = {"sample_index": batch["sample_index"]} if keyed else {}
+    losses = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), **extra)  # [b, s]
+    mask = batch.get("loss_mask")
     sp = getattr(module, "sp", None)
     if sp is not None and sp.size > 1:  # DeepSpeed-Ulysses: this rank's [b, s/SP] slice; mean over all of s
         return sequence_mean(losses, mask, sp, getattr(module, "sequence_grad_scale", 1.0))
@@ -91,7 +103,8 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
                forward_step: Callable = gpt_forward_step, timers=None) -> StepResult:
     """Run ``num_microbatches`` forward/backward passes then one optimizer step. DeepSpeed scales
     each loss by 1/num_microbatches and averages gradients over DP, so the update is that of the
-    mean loss over the global batch.
+    mean loss over the global batch. A model with MoE layers adds its MoE loss to each micro-batch's lm loss
+    (upstream's loss_func); the two are logged apart.
 
     The count may change from step to step (--rampup-batch-size): the engine is told the step's global batch
     (``set_train_batch_size``, as upstream does each iteration) and the last micro-batch is marked as the
@@ -103,7 +116,8 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
     increment = engine.train_batch_size()
     lr = engine.get_lr()[0]  # the lr this update uses (the scheduler moves on inside engine.step)
     mark = getattr(engine, "set_gradient_accumulation_boundary", None)
-    total, norm = None, None
+    total, moe_total, norm = None, None, None
+    module = getattr(engine, "module", engine)
     timers.start("forward-backward")
     for i in range(num_microbatches):
         last = i == num_microbatches - 1
@@ -114,8 +128,9 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
             batch = next(data_iterator)
         PROGRESS.enter("forward")
         loss = forward_step(engine, batch)
+        moe = module.take_moe_loss() if hasattr(module, "take_moe_loss") else None
         PROGRESS.enter("backward")
-        engine.backward(loss)
+        engine.backward(loss if moe is None else loss + moe)
         if last and _plain_fp32(engine):
             # DeepSpeed records no norm on this path; grads are DP-reduced by now, so measure them here.
             norm = grad_norm(engine.module.parameters(), engine.mpu)
@@ -126,12 +141,15 @@ def train_step(engine, data_iterator: Iterator[dict], num_microbatches: int,
         engine.step(lr_kwargs={"increment": increment})
         # Summed on the device in micro-batch order: no host sync per micro-batch.
         total = loss.detach().float() if total is None else total + loss.detach().float()
+        if moe is not None:
+            moe_total = moe.detach() if moe_total is None else moe_total + moe.detach()
     timers.stop("optimizer")
     PROGRESS.enter("step end")
     skipped = bool(getattr(engine, "skipped_steps", 0)) and _last_step_skipped(engine)
     norm = engine.get_global_grad_norm() if norm is None else norm
     scale = getattr(engine.optimizer, "loss_scale", None) if engine.fp16_enabled() else None
-    return StepResult(total / num_microbatches, norm, skipped, lr, scale, engine.get_lr()[0])
+    moe_mean = None if moe_total is None else moe_total / num_microbatches
+    return StepResult(total / num_microbatches, norm, skipped, lr, scale, engine.get_lr()[0], moe_mean)
 
 
 def set_num_microbatches(engine, num_microbatches: int) -> None:

@@ -37,8 +37,9 @@ def _series(writer, tag: str, value: float, it: int, samples: int, tokens: int) 
 
 def write_training(writer, opts: LogOptions, it: int, samples: int, tokens: int, *, loss: float, lr: float,
                    batch_size: int, loss_scale: float | None, world_size: int, grad_norm: float | None,
-                   params_norm: float | None, seq_length: int | None = None) -> None:
-    """Upstream training_log's scalars of one iteration (written at --tensorboard-log-interval)."""
+                   params_norm: float | None, seq_length: int | None = None, moe_loss: float | None = None) -> None:
+    """Upstream training_log's scalars of one iteration (written at --tensorboard-log-interval); ``moe_loss``: a model
+    with experts (upstream writes every key of its loss dict under lm-loss-training/)."""
     writer.add_scalar("steps-vs-samples/y=steps,x=samples", it, samples)
     writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, it)
     writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", it, tokens)
@@ -48,6 +49,8 @@ def write_training(writer, opts: LogOptions, it: int, samples: int, tokens: int,
     if opts.batch_size_to_tb:
         _series(writer, "batch-size/batch-size", batch_size, it, samples, tokens)
     _series(writer, "lm-loss-training/lm loss", loss, it, samples, tokens)
+    if moe_loss is not None:
+        _series(writer, "lm-loss-training/moe loss", moe_loss, it, samples, tokens)
     if loss_scale and opts.loss_scale_to_tb:  # fp16 only: bf16/fp32 steps report no scale, as upstream's
         _series(writer, "loss-scale/loss-scale", loss_scale, it, samples, tokens)
     if opts.world_size_to_tb:

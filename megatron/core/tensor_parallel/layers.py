@@ -38,6 +38,13 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 
     param.partition_stride = stride
 
 
+def mark_replicated(module: nn.Module) -> None:
+    """A module built with a lone TP group inside a TP > 1 model (MoE experts without expert tensor parallelism)
+    holds whole weights on every TP rank: its parameters count once in norms and are not TP shards in checkpoints."""
+    for p in module.parameters():
+        p.tensor_model_parallel = False
+
+
 def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int, tp: GroupInfo,
                      std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1) -> None:
     """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std).
@@ -54,6 +61,14 @@ def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition
             gen = torch.Generator().manual_seed(_stable_seed(seed, key, salt=1 + tp.rank))
             shard = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
             param.copy_(shard)
+
+
+def initialize_uniform(param: nn.Parameter, bound: float, seed: int, key: str) -> None:
+    """Fill a replicated ``param`` from U(-bound, bound), keyed like ``initialize_shard`` (the same values on every
+    rank and layout). torch.nn.Linear's default init is this with bound 1/sqrt(fan_in)."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(_stable_seed(seed, key))
+        param.copy_(torch.empty(tuple(param.shape), dtype=torch.float32).uniform_(-bound, bound, generator=gen))
 
 
 def shard_tensor(full: torch.Tensor, partition_dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""Mixture of experts on EP / EP x TP / ZeRO layouts against one process (4 gloo ranks, one launch).
+
+Each layout trains a 2-layer MoE GPT on DeepSpeed's engine for a few steps: the DP-mean lm loss, the MoE loss and the
+gradient norm of every step match the single-process run (tests/reference.py, gradient accumulation over the same
+micro-batches) within fp32 tolerance, with top-1 (random token selection on) and top-2 (second-expert sampling on),
+with and without token dropping, ZeRO-0/1/2, expert TP and sequence parallelism, PR-MoE. The norms catch a wrongly
+scaled expert gradient that Adam would hide from the losses. Then the MoE layer's gradients themselves, parameter by
+parameter, for EP=4 and EP x TP=2 (experts whole, and split over TP), before any engine: the all-to-alls' backward.
+"""
+
+import pytest
+import torch
+
+from tests.launcher import run_distributed
+
+STEPS, GBS, MBS, SEQ, VOCAB, SEED = 3, 8, 2, 16, 120, 5
+TOL = 1e-5
+
+# name -> (TP, EP, ZeRO stage, sequence parallel, MoE settings, other model settings of the layout's run)
+LAYOUTS = {
+    "ep4 top2 sampling drop": (1, 4, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
+    "ep2xtp2 expert-tp sp top1 no-drop": (2, 2, 0, True, dict(topk=1, moe_token_dropping=False,
+                                                              enable_expert_tensor_parallelism=True), {}),
+    "ep2xtp2 top2 drop": (2, 2, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
+    # Full recompute: the gates run again in the backward (the same draws; no-drop's capacity all-reduce again).
+    "ep2 zero1 top2 no-drop recompute": (1, 2, 1, False, dict(topk=2, moe_token_dropping=False),
+                                         dict(recompute_granularity="full")),
+    "ep2 zero2 top1 residual drop": (1, 2, 2, False, dict(topk=1, mlp_type="residual",
+                                                          moe_train_capacity_factor=0.75), {}),
+}
+
+
+def _model(moe, **model):
+    from megatron.config import MoEConfig
+    from megatron.config.sizes import named_model
+
+    return named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                       seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                       moe=MoEConfig(num_experts=(4,), expert_interval=1, **moe), **model)
+
+
+def _run_config(world, tp, ep, zero, sp, moe, model=None):
+    from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+
+    return RunConfig(
+        model=_model(moe, **(model or {})),
+        parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=zero,
+                                sequence_parallel=sp, moe_expert_parallel_size=ep),
+        optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=1, clip_grad=0.5, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=SEED),
+    ).validate()
+
+
+def _train(name):
+    import deepspeed.comm as dist
+
+    from megatron.core.parallel_state import ParallelState
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.model.gpt_model import GPTModel
+    from megatron.training.batches import microbatches
+    from megatron.training.step import train_step
+
+    tp, ep, zero, sp, moe, model = LAYOUTS[name]
+    run = _run_config(dist.get_world_size(), tp, ep, zero, sp, moe, model)
+    state = ParallelState.build(tp, ep_size=ep)
+    model = GPTModel(run.model, tp=state.tp, sequence_parallel=sp, init_seed=SEED, ep=state.ep)
+    engine = initialize_engine(model, run, state, build_ds_config(run))
+    data = microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, state.dp.rank, state.dp.size, "cpu")
+    out = {"lm": [], "moe": [], "norm": []}
+    for _ in range(STEPS):
+        res = train_step(engine, data, run.training.grad_accumulation_steps(state.dp.size))
+        both = torch.tensor([res.loss, res.moe_loss])
+        dist.all_reduce(both, group=state.dp.group)  # the DP means, as the log reports them
+        out["lm"].append(both[0].item() / state.dp.size)
+        out["moe"].append(both[1].item() / state.dp.size)
+        out["norm"].append(res.grad_norm)
+    return out
+
+
+def _layer_gradients(tp_size, ep_size, sp, moe):
+    """Every parameter's gradient of the model on this layout (each DP rank one micro-batch, reduced as DeepSpeed
+    reduces: dense over DP, experts over their replicas, both divided by DP) against one process on all of them.
+    Returns the worst relative difference and the number of parameters compared."""
+    import deepspeed.comm as dist
+
+    from megatron.core import comm
+    from megatron.core.parallel_state import GroupInfo, ParallelState
+    from megatron.core.tensor_parallel.layers import shard_tensor
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.model.gpt_model import GPTModel
+    from megatron.optim.optimizer import is_expert_param
+    from megatron.training.batches import microbatches
+    from megatron.training.step import gpt_forward_step
+
+    cfg = _model(moe)
+    state = ParallelState.build(tp_size, ep_size=ep_size)
+    ref = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=SEED)
+    par = GPTModel(cfg, tp=state.tp, sequence_parallel=sp, init_seed=SEED, ep=state.ep)
+    data = microbatches(MockGPTDataset(100, SEQ, VOCAB, seed=3), 0, MBS, 0, 1, "cpu")
+    batches = [next(data) for _ in range(state.dp.size)]  # rank d's micro-batch is the d-th
+    total = sum(gpt_forward_step(ref, b) + ref.take_moe_loss() for b in batches) / len(batches)
+    total.backward()
+    (gpt_forward_step(par, batches[state.dp.rank]) + par.take_moe_loss()).backward()
+    ref_params = dict(ref.named_parameters())
+    local = cfg.moe.num_experts[0] // ep_size
+    worst, n = 0.0, 0
+    for name, p in par.named_parameters():
+        group = state.edp.group if is_expert_param(p) else state.dp.group
+        grad = comm.all_reduce(p.grad.clone(), group) / state.dp.size
+        if is_expert_param(p):  # local expert i of EP rank r is global expert r * local + i
+            head, i, tail = name.partition("deepspeed_experts.")[0], *tail_split(name)
+            name = f"{head}deepspeed_experts.{state.ep.rank * local + i}.{tail}"
+        want = ref_params[name].grad
+        if getattr(p, "tensor_model_parallel", False):
+            want = shard_tensor(want, p.partition_dim, state.tp.size, state.tp.rank, getattr(p, "partition_stride", 1))
+        worst = max(worst, ((grad - want).abs().max() / max(1.0, want.abs().max().item())).item())
+        n += 1
+    dist.barrier()
+    return worst, n
+
+
+def tail_split(name):
+    """'...deepspeed_experts.3.dense_h_to_4h.weight' -> (3, 'dense_h_to_4h.weight')."""
+    i, _, tail = name.partition("deepspeed_experts.")[2].partition(".")
+    return int(i), tail
+
+
+def _worker(names):
+    from megatron.initialize import initialize_distributed
+
+    initialize_distributed("gloo")
+    out = {name: _train(name) for name in names}
+    for key, (tp, ep, sp, moe) in GRADIENT_CASES.items():
+        out[key] = _layer_gradients(tp, ep, sp, moe)
+    return out
+
+
+GRADIENT_CASES = {
+    "grad ep4 top2 sampling": (1, 4, False, dict(topk=2, moe_train_capacity_factor=0.75)),
+    "grad ep2xtp2 top1 rts": (2, 2, False, dict(topk=1, moe_train_capacity_factor=0.75)),
+    "grad ep2xtp2 expert-tp sp residual": (2, 2, True, dict(topk=1, mlp_type="residual",
+                                                            enable_expert_tensor_parallelism=True,
+                                                            moe_train_capacity_factor=0.75)),
+}
+
+
+@pytest.mark.timeout(900)
+def test_moe_layouts_match_single_process():
+    from tests.reference import reference_run
+
+    refs = {name: reference_run(_run_config(1, 1, 1, 0, False, moe), STEPS, dataset_size=1000)
+            for name, (_, _, _, _, moe, _) in LAYOUTS.items()}
+    results = run_distributed(_worker, world_size=4, names=list(LAYOUTS))
+    for rank, res in enumerate(results):
+        for name, (lm, norms, moe) in refs.items():
+            got = res[name]
+            for what, want in (("lm", lm), ("moe", moe), ("norm", norms)):
+                for step, (a, b) in enumerate(zip(got[what], want, strict=True)):
+                    assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} {name} step {step} {what}: {a} vs {b}"
+        for key in GRADIENT_CASES:
+            worst, n = res[key]
+            assert worst <= TOL and n > 20, f"rank {rank} {key}: gradients differ by {worst:.2e} ({n} parameters)"
+    for name, (lm, _, moe) in refs.items():  # the losses move (equality is not trivial); the balancing loss is there
+        assert len(set(lm)) == STEPS and len(set(moe)) == STEPS and min(moe) > 0.05, (name, lm, moe)
