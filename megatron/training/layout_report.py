@@ -111,6 +111,7 @@ def model_features(model: nn.Module) -> str:
     moe = _of(model, MoE)
     if moe:
         counts = "/".join(str(n) for n in sorted({m.num_experts for m in moe}))
-        parts.append(f"{len(moe)} MoE layers ({counts} experts, {moe[0].num_local_experts} on this rank"
-                     f"{', PR-MoE' if moe[0].use_residual else ''})")
+        first = moe[0]
+        parts.append(f"{len(moe)} MoE layers ({counts} experts, {first.num_local_experts} on this rank of EP "
+                     f"{first.ep_size}, top-{first.deepspeed_moe.moe.topk}{', PR-MoE' if first.use_residual else ''})")
     return "> model features: " + ", ".join(parts)

@@ -130,7 +130,26 @@ def features(opts: dict) -> str:
     else:
         parts.append("untied output layer" if untied else "tied output layer")
     parts.append("no linear biases" if "--disable-bias-linear" in opts else "linear biases")
-    return ", ".join(parts)
+    moe = _moe_features(opts)
+    return ", ".join(parts + ([moe] if moe else []))
+
+
+def _moe_features(opts: dict) -> str | None:
+    """The MoE part of the features line, by upstream's get_num_experts_per_layer: layer n (1-based) has experts
+    when n is a multiple of --expert-interval (default 2), one count for all or one per such layer. The cases with
+    experts run at PP=1, where rank 0 holds every layer."""
+    counts = [int(v) for v in opts.get("--num-experts", ["1"])]
+    layers, interval = _int(opts, "--num-layers"), _int(opts, "--expert-interval", 2)
+    counts = counts * (layers // interval) if len(counts) == 1 else counts
+    per_layer = [counts[(n - 1) // interval] if n % interval == 0 else 1 for n in range(1, layers + 1)]
+    moe = [n for n in per_layer if n > 1]
+    if not moe:
+        return None
+    assert _int(opts, "--pipeline-model-parallel-size", 1) == 1, "work out rank 0's stage first"
+    ep = _int(opts, "--moe-expert-parallel-size", 1)
+    residual = ", PR-MoE" if (opts.get("--mlp-type") or ["standard"])[0] == "residual" else ""
+    return (f"{len(moe)} MoE layers ({'/'.join(str(n) for n in sorted(set(moe)))} experts, {moe[0] // ep} on this "
+            f"rank of EP {ep}, top-{_int(opts, '--topk', 1)}{residual})")
 
 
 def reported_features(stdout: str) -> str | None:

@@ -17,6 +17,7 @@ from tests.compat import cases_io, expect
 from tests.functional.cli import losses, run_pretrain
 
 _NOTE = re.compile(r"^> (--\S+) is accepted and has no effect here", re.M)
+_MOE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| moe loss: ([0-9.E+-]+)")
 # The loss must fall by 1% between the first and the last logged iteration. At initialisation it is ln(512) = 6.24
 # (uniform over the padded vocabulary) on every batch within ~0.02, i.e. 0.3%; the cases' learning rates take it
 # down by 2% per full-rate update (a warmup's first update has lr 0, so some cases have one such update).
@@ -49,6 +50,10 @@ def test_job_script_trains_as_written(name, compat_data, tmp_path, request):
     assert all(math.isfinite(v) for v in logged.values()), logged
     first, last = logged[1], logged[len(sizes)]
     assert last < first * (1 - _FALL), f"{name}: the loss did not fall: {logged}"
+
+    if "--num-experts" in opts and any(int(n) > 1 for n in opts["--num-experts"]):  # upstream logs it beside lm loss
+        moe = {int(i): float(v) for i, v in _MOE_LOSS.findall(out)}
+        assert sorted(moe) == sorted(logged) and all(0 < v < 1 for v in moe.values()), f"{name}: moe loss {moe}"
 
     notes = _NOTE.findall(out)
     assert len(notes) == len(set(notes)), f"a no-op was said more than once: {notes}"

@@ -10,6 +10,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
+from megatron.config.moe import MoEConfig
 from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups, single_process_state
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
@@ -122,6 +123,9 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
     ("debug", {}, "layernorm, gelu MLP, 4 heads (MHA), learned positions, tied output layer, linear biases"),
     ("debug-llama", {"rotary_percent": 0.25}, "rmsnorm, swiglu MLP, rotary positions (4 of 16 dims per head), "
      "4 query heads over 2 KV heads (GQA), untied output layer, no linear biases"),
+    ("debug", {"moe": MoEConfig(num_experts=(4,), expert_interval=1, topk=2, mlp_type="residual")},
+     "layernorm, gelu MLP, 4 heads (MHA), learned positions, tied output layer, linear biases, "
+     "2 MoE layers (4 experts, 4 on this rank of EP 1, top-2, PR-MoE)"),
 ])
 def test_model_features_line_reads_the_built_modules(size, overrides, want):
     model = GPTModel(named_model(size, use_cpu_initialization=True, **overrides), tp=single_process_state().tp)
