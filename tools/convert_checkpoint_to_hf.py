@@ -1,5 +1,6 @@
 """Export a checkpoint (any TP/PP/ZeRO layout, or a full-state directory) to HF transformers:
-GPT2LMHeadModel for the GPT-2 variant, LlamaForCausalLM for the Llama variant (safetensors + config.json).
+GPT2LMHeadModel for the GPT-2 variant, LlamaForCausalLM for the Llama variant (safetensors + config.json); a Llama
+variant with experts (any EP/TP layout) to MixtralForCausalLM or Qwen2MoeForCausalLM (docs/moe.md says which).
 
     python tools/convert_checkpoint_to_hf.py --load CHECKPOINTS [--tag global_step100] --out HF_DIR
 
@@ -18,6 +19,7 @@ from megatron.errors import run_cli  # noqa: E402
 
 def main(argv=None) -> int:
     from megatron.checkpointing.convert import read_any, write_hf
+    from megatron.checkpointing.hf_moe import has_experts, match_notes
     from megatron.checkpointing.hf_tokens import special_ids_of_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -29,9 +31,11 @@ def main(argv=None) -> int:
     p.add_argument("--merge-file", default=None)
     p.add_argument("--tokenizer-model", default=None)
     args = p.parse_args(argv)
-    full, model, progress = read_any(args.load, args.tag)
+    full, model, progress = read_any(args.load, args.tag, with_experts=True)
     special = special_ids_of_checkpoint(args.load, args.tag, vars(args))
     config = write_hf(args.out, full, model, special)
+    for note in match_notes(model) if has_experts(model) else []:
+        print(f"> note: {note}")
     ids = ", ".join(f"{k} {v}" for k, v in sorted(special.items())) or "no bos/eos ids (no tokenizer known)"
     print(f"> wrote {config['architectures'][0]} ({model['num_layers']} layers, iteration {progress['iteration']}; "
           f"{ids}) to {args.out}")

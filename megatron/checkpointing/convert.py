@@ -18,15 +18,18 @@ from megatron.checkpointing.full_state import (
     save_full_state,
 )
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
+from megatron.checkpointing.hf_moe import has_experts, moe_to_hf
 from megatron.checkpointing.locate import read_latest, read_meta
 from megatron.checkpointing.moments import merge_moments
 from megatron.checkpointing.verify import require_whole
 from megatron.errors import CheckpointError
 
 
-def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def read_any(path: str, tag: str | None = None, with_experts: bool = False) -> tuple[dict[str, torch.Tensor], dict,
+                                                                                    dict]:
     """(full state, model config fields, progress {iteration, consumed_samples, lr_num_steps}) of a
-    ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
+    ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory.
+    ``with_experts``: a model with experts too, its experts merged from their per-expert files (for an HF export)."""
     if is_full_state(path):
         require_whole(path)
         full, meta = read_full_state(path)
@@ -45,7 +48,7 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
                 "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
     if meta.get("lr_scheduler"):
         progress["lr_scheduler"] = meta["lr_scheduler"]
-    return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
+    return merge_checkpoint(ckpt_dir, meta, with_experts), meta["run"]["model"], progress
 
 
 def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str,
@@ -73,7 +76,7 @@ def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, s
 def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict, special_tokens: dict | None = None) -> dict:
     """safetensors + config.json that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads;
     ``special_tokens`` ({bos,eos}_token_id) go into config.json (transformers warns without them)."""
-    hf, config = to_hf(full, model)
+    hf, config = moe_to_hf(full, model) if has_experts(model) else to_hf(full, model)
     config.update(special_tokens or {})
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")

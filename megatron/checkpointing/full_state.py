@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing import integrity
+from megatron.checkpointing.expert_files import partition_name, read_expert_files
 from megatron.checkpointing.safe_io import safe_load
+from megatron.config.moe import MoEConfig
 from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.errors import CheckpointError
 
@@ -64,11 +66,16 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
     return torch.cat([torch.cat([b[k] for b in blocks], dim=dim) for k in range(stride)], dim=dim)
 
 
-def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
-    """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
-    if any(n > 1 for n in (meta["run"]["model"].get("moe") or {}).get("num_experts", [1])):
-        raise CheckpointError(f"{ckpt_dir} holds a model with experts (--num-experts): merging or resharding its "
-                              "per-expert files is not built yet; resume it at its own layout")
+def _tp_rank_states(ckpt_dir: str, meta: dict, with_experts: bool = False) -> list[dict[str, torch.Tensor]]:
+    """One canonical state dict per TP rank (each still TP-sharded, vocab padded). ``with_experts``: a model with
+    experts is read too, its experts from their per-expert files under global ids (for an HF export; its optimizer
+    states are not merged, so a full state for --load is still refused)."""
+    moe = meta["run"]["model"].get("moe") or {}
+    if any(n > 1 for n in moe.get("num_experts", [1])):
+        if not with_experts:
+            raise CheckpointError(f"{ckpt_dir} holds a model with experts (--num-experts): merging or resharding its "
+                                  "per-expert files is not built yet; resume it at its own layout")
+        return _with_expert_files(ckpt_dir, meta, MoEConfig(**{**moe, "num_experts": tuple(moe["num_experts"])}))
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]
         return [{canonical_name(k, nl): v for k, v in w.items()}
@@ -98,6 +105,19 @@ def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     return states
 
 
+def _with_expert_files(ckpt_dir: str, meta: dict, moe: MoEConfig) -> list[dict[str, torch.Tensor]]:
+    """A checkpoint with experts (PP=1, ZeRO-0/1/2, as MoE runs): the dense part from mp_rank_XX_model_states.pt
+    (DeepSpeed leaves the experts out of it), the experts from their own files."""
+    nl, tp = meta["run"]["model"]["num_layers"], meta["run"]["parallel"]["tensor_model_parallel_size"]
+    experts = read_expert_files(ckpt_dir, tp, moe.experts_per_layer(nl), lambda k: canonical_name(k, nl))
+    states = []
+    for rank in range(tp):
+        module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
+        dense = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
+        states.append({**dense, **experts[rank]})
+    return states
+
+
 def _zero3_module(ckpt_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
     """ZeRO-3 keeps weights only in the fp32 optimizer partitions: gather them with DeepSpeed's own
     zero_to_fp32, one TP rank at a time (it globs every *_optim_states.pt file of a directory, so the
@@ -116,17 +136,18 @@ def _zero3_module(ckpt_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t")
 
 
-def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
-    """The full model of a DeepSpeed checkpoint directory (``DIR/global_stepN``), vocab unpadded."""
+def merge_checkpoint(ckpt_dir: str, meta: dict, with_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The full model of a DeepSpeed checkpoint directory (``DIR/global_stepN``), vocab unpadded; ``with_experts``:
+    a model with experts too, every expert under its global id (see _tp_rank_states)."""
     table = meta.get("partition_table")
     if table is None:
         raise CheckpointError(f"checkpoint file {os.path.join(ckpt_dir, 'megatron_meta.json')} has no partition "
                               "table: not written by megatron/checkpointing")
-    states = _tp_rank_states(ckpt_dir, meta)
+    states = _tp_rank_states(ckpt_dir, meta, with_experts)
     full = {}
     for name in states[0]:
-        if name in table:
-            dim, stride = table[name]
+        if partition_name(name) in table:
+            dim, stride = table[partition_name(name)]
             full[name] = merge_tp([s[name] for s in states], dim, stride)
         else:
             full[name] = states[0][name]

@@ -1,0 +1,133 @@
+"""Our models with experts -> HF transformers, to the architecture that computes the same function:
+MixtralForCausalLM (every layer MoE, top-k >= 2) or Qwen2MoeForCausalLM (top-1, or some layers dense).
+
+Facts the mapping rests on (transformers 5.24's modeling_mixtral.py / modeling_qwen2_moe.py; DeepSpeed's
+sharded_moe.py as megatron/core/moe/gating.py implements it):
+- Our gate: softmax of x W^T (fp32) over the experts; top-1 weights a token's expert by its softmax probability,
+  *not* renormalised; top-2 and top-k (k > 2) renormalise the chosen probabilities to sum to 1 (with no token
+  dropped). Mixtral's router always renormalises its top-k (so top-1 would weigh 1.0): exact for k >= 2 only.
+  Qwen2-MoE's router renormalises only with ``norm_topk_prob``: false gives top-1's weight, true top-k's.
+- Mixtral makes every layer MoE; Qwen2-MoE makes layer i (0-based) MoE when (i + 1) % decoder_sparse_step == 0 and
+  i is not in mlp_only_layers: upstream's --expert-interval K (layers K, 2K, ... 1-based) is decoder_sparse_step K,
+  and a layer given 1 expert in a --num-experts list goes into mlp_only_layers.
+- Both hold a layer's experts as ``experts.gate_up_proj`` [E, 2 x ffn, h] (gate rows, then up rows: our SwiGLU fc1
+  [gate; up]) and ``experts.down_proj`` [E, h, ffn]; the router ``mlp.gate.weight`` [E, h] is our gate's wg.
+- Qwen2-MoE adds a shared expert, sigmoid(x g) x MLP(x); exported with width 0 (shared_expert_intermediate_size 0)
+  it adds exactly 0. Its q/k/v biases are off with qkv_bias false.
+- Neither has capacity or random draws: HF runs every token through its top-k experts and takes top-2's second
+  largest gate. Our model computes the same where no token is dropped (--disable-moe-token-dropping, or an eval
+  capacity no expert exceeds) and second-expert sampling is off (--disable-moe-top2-2nd-expert-sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.checkpointing.hf import LLAMA, _split_qkv, variant
+from megatron.config.moe import MoEConfig
+from megatron.errors import ConfigError
+
+MIXTRAL, QWEN2_MOE = "mixtral", "qwen2_moe"
+
+
+def moe_config(m: dict) -> MoEConfig:
+    moe = dict(m.get("moe") or {})
+    return MoEConfig(**{**moe, "num_experts": tuple(moe.get("num_experts", (1,)))})
+
+
+def has_experts(m: dict) -> bool:
+    return moe_config(m).enabled
+
+
+def moe_variant(m: dict) -> str:
+    """Which HF class computes the same function as model config ``m`` (with experts), or a ConfigError saying why
+    none does."""
+    moe = moe_config(m)
+    try:
+        dense = variant(m)
+    except ConfigError as e:
+        raise ConfigError(f"no HF MoE export for this model: {e}") from None
+    if dense != LLAMA:
+        raise ConfigError(f"no HF MoE export for the {dense} variant with experts: HF's MoE models (Mixtral, "
+                          "Qwen2-MoE) are Llama-style: export needs --normalization rmsnorm --swiglu "
+                          "--position-embedding-type rope")
+    if m["add_bias_linear"]:
+        raise ConfigError("no HF MoE export with linear biases: Mixtral's and Qwen2-MoE's experts have none (train "
+                          "with --disable-bias-linear)")
+    if moe.mlp_type == "residual":
+        raise ConfigError("no HF MoE export for PR-MoE (--mlp-type residual): no HF model mixes a dense MLP and the "
+                          "experts by a learned softmax coefficient (Qwen2-MoE's shared expert is added, "
+                          "sigmoid-gated)")
+    counts = {n for n in moe.experts_per_layer(m["num_layers"]) if n > 1}
+    if len(counts) > 1:
+        raise ConfigError(f"no HF MoE export with MoE layers of different expert counts ({sorted(counts)} from "
+                          "--num-experts): Mixtral and Qwen2-MoE have one count for every MoE layer")
+    every_layer = all(n > 1 for n in moe.experts_per_layer(m["num_layers"]))
+    return MIXTRAL if every_layer and moe.topk >= 2 else QWEN2_MOE
+
+
+def match_notes(m: dict) -> list[str]:
+    """What the export computes differently from this model's own runs (printed by the converter)."""
+    moe, notes = moe_config(m), []
+    if moe.moe_token_dropping:
+        notes.append("HF has no expert capacity: it matches this model where no token is dropped (ours with "
+                     "--disable-moe-token-dropping, or an eval capacity factor no expert exceeds)")
+    if moe.topk == 2 and moe.moe_top2_2nd_expert_sampling:
+        notes.append("HF takes top-2's second largest gate: the model trained with second-expert sampling, which "
+                     "ours also draws at evaluation unless --disable-moe-top2-2nd-expert-sampling")
+    return notes
+
+
+def moe_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(HF state dict, HF config.json dict) for our full state ``full`` (experts under global ids) of model ``m``."""
+    kind, moe = moe_variant(m), moe_config(m)
+    nl, h, f = m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]
+    per_layer = moe.experts_per_layer(nl)
+    tied = not m["untie_embeddings_and_output_weights"]
+    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"],
+           "model.norm.weight": full["final_layernorm.weight"]}
+    for i, n in enumerate(per_layer):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        out[f"{dst}input_layernorm.weight"] = full[f"{src}input_layernorm.weight"]
+        out[f"{dst}post_attention_layernorm.weight"] = full[f"{src}post_attention_layernorm.weight"]
+        for name, t in zip(("q_proj", "k_proj", "v_proj"),
+                           _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
+            out[f"{dst}self_attn.{name}.weight"] = t
+        out[f"{dst}self_attn.o_proj.weight"] = full[f"{src}self_attention.dense.weight"]
+        if n == 1:
+            out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = \
+                full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
+            out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
+            continue
+        experts = f"{src}mlp.deepspeed_moe.experts.deepspeed_experts."
+        out[f"{dst}mlp.gate.weight"] = full[f"{src}mlp.deepspeed_moe.gate.wg.weight"]
+        out[f"{dst}mlp.experts.gate_up_proj"] = torch.stack([full[f"{experts}{e}.dense_h_to_4h.weight"]
+                                                             for e in range(n)])  # [E, 2f, h]
+        out[f"{dst}mlp.experts.down_proj"] = torch.stack([full[f"{experts}{e}.dense_4h_to_h.weight"]
+                                                          for e in range(n)])  # [E, h, f]
+        if kind == QWEN2_MOE:  # the shared expert, width 0: it adds exactly 0
+            like = out[f"{dst}mlp.gate.weight"]
+            out[f"{dst}mlp.shared_expert.gate_proj.weight"] = like.new_zeros(0, h)
+            out[f"{dst}mlp.shared_expert.up_proj.weight"] = like.new_zeros(0, h)
+            out[f"{dst}mlp.shared_expert.down_proj.weight"] = like.new_zeros(h, 0)
+            out[f"{dst}mlp.shared_expert_gate.weight"] = like.new_zeros(1, h)
+    if not tied:
+        out["lm_head.weight"] = full["output_layer.linear.weight"]
+    num_experts, base = max(per_layer), m["rotary_base"]
+    config = {"vocab_size": m["vocab_size"], "hidden_size": h, "intermediate_size": f, "num_hidden_layers": nl,
+              "num_attention_heads": m["num_attention_heads"], "num_key_value_heads": m["num_key_value_heads"],
+              "max_position_embeddings": m["max_position_embeddings"], "rms_norm_eps": m["layernorm_epsilon"],
+              "rope_theta": base, "rope_parameters": {"rope_type": "default", "rope_theta": base},
+              "hidden_act": "silu", "num_experts_per_tok": moe.topk, "output_router_logits": False,
+              "attention_dropout": m.get("attention_dropout", 0.1), "initializer_range": m.get("init_method_std", 0.02),
+              "tie_word_embeddings": tied, "torch_dtype": "float32"}
+    if kind == MIXTRAL:
+        config.update(architectures=["MixtralForCausalLM"], model_type=MIXTRAL, num_local_experts=num_experts,
+                      router_jitter_noise=0.0, sliding_window=None)
+    else:
+        interval = moe.expert_interval
+        config.update(architectures=["Qwen2MoeForCausalLM"], model_type=QWEN2_MOE, num_experts=num_experts,
+                      moe_intermediate_size=f, shared_expert_intermediate_size=0, decoder_sparse_step=interval,
+                      mlp_only_layers=[i for i, n in enumerate(per_layer) if (i + 1) % interval == 0 and n == 1],
+                      norm_topk_prob=moe.topk >= 2, qkv_bias=False, use_sliding_window=False)
+    return {k: v.contiguous() for k, v in out.items()}, config
