@@ -1,5 +1,6 @@
 """Import a local HF GPT-2 / Llama model directory as a full-state directory that ``pretrain_gpt.py --load``
-reads at any TP/PP/ZeRO layout (continue pretraining; the optimizer starts fresh).
+reads at any TP/PP/ZeRO layout (continue pretraining; the optimizer starts fresh). Mixtral and Qwen2-MoE (without a
+shared expert) import as a model with experts (docs/moe.md#hf-export).
 
     python tools/convert_hf_to_megatron.py --hf HF_DIR --out FULL_STATE_DIR
 """

@@ -18,7 +18,7 @@ from megatron.checkpointing.full_state import (
     save_full_state,
 )
 from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
-from megatron.checkpointing.hf_moe import has_experts, moe_to_hf
+from megatron.checkpointing.hf_moe import MIXTRAL, QWEN2_MOE, has_experts, moe_from_hf, moe_to_hf
 from megatron.checkpointing.locate import read_latest, read_meta
 from megatron.checkpointing.moments import merge_moments
 from megatron.checkpointing.verify import require_whole
@@ -114,7 +114,7 @@ def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 def hf_to_full_state(hf_dir: str, out_dir: str) -> dict:
     hf, config = read_hf(hf_dir)
-    full, model = from_hf(hf, config)
+    full, model = moe_from_hf(hf, config) if config.get("model_type") in (MIXTRAL, QWEN2_MOE) else from_hf(hf, config)
     write_full_state(out_dir, full, model, {"iteration": 0, "consumed_samples": 0, "lr_num_steps": 0}, hf_dir,
                      special_tokens=special_token_ids(config))
     return model

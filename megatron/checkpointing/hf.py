@@ -298,7 +298,8 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
                 full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.down_proj.bias"]
         head = "lm_head.weight"
     else:
-        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama' and 'gpt_neox' convert to this trainer's GPT")
+        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama', 'gpt_neox', 'mixtral' and 'qwen2_moe' convert "
+                          "to this trainer's GPT")
     if m["untie_embeddings_and_output_weights"]:
         full["output_layer.linear.weight"] = hf[head]
     return {k: v.contiguous() for k, v in full.items()}, m
@@ -329,4 +330,10 @@ def matching_flags(m: dict) -> list[str]:
     for key, flag in (("hidden_dropout", "--hidden-dropout"), ("attention_dropout", "--attention-dropout")):
         if key in m:
             flags += [flag, m[key]]
+    moe = m.get("moe") or {}
+    if any(n > 1 for n in moe.get("num_experts", [1])):  # an imported Mixtral / Qwen2-MoE (hf_moe.py)
+        flags += ["--num-experts", *moe["num_experts"], "--expert-interval", moe["expert_interval"], "--topk",
+                  moe["topk"]]
+        flags += ["--disable-moe-token-dropping"] if not moe.get("moe_token_dropping", True) else []
+        flags += ["--disable-moe-top2-2nd-expert-sampling"] if not moe.get("moe_top2_2nd_expert_sampling", True) else []
     return [f"{v:g}" if isinstance(v, float) else str(v) for v in flags]

@@ -10,8 +10,9 @@ sharded_moe.py as megatron/core/moe/gating.py implements it):
 - Mixtral makes every layer MoE; Qwen2-MoE makes layer i (0-based) MoE when (i + 1) % decoder_sparse_step == 0 and
   i is not in mlp_only_layers: upstream's --expert-interval K (layers K, 2K, ... 1-based) is decoder_sparse_step K,
   and a layer given 1 expert in a --num-experts list goes into mlp_only_layers.
-- Both hold a layer's experts as ``experts.gate_up_proj`` [E, 2 x ffn, h] (gate rows, then up rows: our SwiGLU fc1
-  [gate; up]) and ``experts.down_proj`` [E, h, ffn]; the router ``mlp.gate.weight`` [E, h] is our gate's wg.
+- Files hold each expert's projections apart (transformers fuses them on load): Mixtral's
+  ``block_sparse_moe.experts.N.w1/w3/w2`` and Qwen2-MoE's ``mlp.experts.N.gate_proj/up_proj/down_proj`` are the
+  gate and up halves of our SwiGLU fc1 [gate; up] and our fc2; the router ``gate.weight`` [E, h] is our gate's wg.
 - Qwen2-MoE adds a shared expert, sigmoid(x g) x MLP(x); exported with width 0 (shared_expert_intermediate_size 0)
   it adds exactly 0. Its q/k/v biases are off with qkv_bias false.
 - Neither has capacity or random draws: HF runs every token through its top-k experts and takes top-2's second
@@ -23,11 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpointing.hf import LLAMA, _split_qkv, variant
+from megatron.checkpointing.hf import LLAMA, _join_qkv, _split_qkv, variant
 from megatron.config.moe import MoEConfig
 from megatron.errors import ConfigError
 
 MIXTRAL, QWEN2_MOE = "mixtral", "qwen2_moe"
+# The files' layout (what transformers' save_pretrained writes and the Hub holds; it fuses the experts on load):
+# a layer's MoE block, and each expert's (gate, up, down) projections, nn.Linear [out, in].
+_BLOCK = {MIXTRAL: "block_sparse_moe.", QWEN2_MOE: "mlp."}
+_EXPERT = {MIXTRAL: ("w1", "w3", "w2"), QWEN2_MOE: ("gate_proj", "up_proj", "down_proj")}
 
 
 def moe_config(m: dict) -> MoEConfig:
@@ -99,14 +104,15 @@ def moe_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.T
                 full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
             out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
             continue
-        experts = f"{src}mlp.deepspeed_moe.experts.deepspeed_experts."
-        out[f"{dst}mlp.gate.weight"] = full[f"{src}mlp.deepspeed_moe.gate.wg.weight"]
-        out[f"{dst}mlp.experts.gate_up_proj"] = torch.stack([full[f"{experts}{e}.dense_h_to_4h.weight"]
-                                                             for e in range(n)])  # [E, 2f, h]
-        out[f"{dst}mlp.experts.down_proj"] = torch.stack([full[f"{experts}{e}.dense_4h_to_h.weight"]
-                                                          for e in range(n)])  # [E, h, f]
+        block = dst + _BLOCK[kind]
+        out[f"{block}gate.weight"] = full[f"{src}mlp.deepspeed_moe.gate.wg.weight"]
+        for e in range(n):
+            ours = f"{src}mlp.deepspeed_moe.experts.deepspeed_experts.{e}."
+            for name, t in zip(_EXPERT[kind], (*full[f"{ours}dense_h_to_4h.weight"].split(f),
+                                               full[f"{ours}dense_4h_to_h.weight"]), strict=True):
+                out[f"{block}experts.{e}.{name}.weight"] = t
         if kind == QWEN2_MOE:  # the shared expert, width 0: it adds exactly 0
-            like = out[f"{dst}mlp.gate.weight"]
+            like = out[f"{block}gate.weight"]
             out[f"{dst}mlp.shared_expert.gate_proj.weight"] = like.new_zeros(0, h)
             out[f"{dst}mlp.shared_expert.up_proj.weight"] = like.new_zeros(0, h)
             out[f"{dst}mlp.shared_expert.down_proj.weight"] = like.new_zeros(h, 0)
@@ -131,3 +137,83 @@ def moe_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.T
                       mlp_only_layers=[i for i, n in enumerate(per_layer) if (i + 1) % interval == 0 and n == 1],
                       norm_topk_prob=moe.topk >= 2, qkv_bias=False, use_sliding_window=False)
     return {k: v.contiguous() for k, v in out.items()}, config
+
+
+def _refuse_unless(ok: bool, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"HF {what}")
+
+
+def moe_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(our full state, our ModelConfig fields) from an HF Mixtral or Qwen2-MoE state dict (the files' per-expert
+    layout) and config.json; a model ours cannot compute exactly is refused in one line naming the field."""
+    kind, nl, h = config["model_type"], config["num_hidden_layers"], config["hidden_size"]
+    heads, k = config["num_attention_heads"], config["num_experts_per_tok"]
+    _refuse_unless(config.get("hidden_act", "silu") == "silu", f"{kind} hidden_act={config.get('hidden_act')!r}: our "
+                   "SwiGLU uses silu")
+    _refuse_unless(not config.get("rope_scaling") and (config.get("rope_parameters") or {}).get(
+        "rope_type", "default") == "default", f"{kind} rope scaling: not supported by our rotary embedding")
+    _refuse_unless(config.get("head_dim") in (None, h // heads), f"{kind} head_dim={config.get('head_dim')}: ours is "
+                   "hidden_size / num_attention_heads")
+    if kind == MIXTRAL:
+        _refuse_unless(k >= 2, "mixtral with num_experts_per_tok 1 weighs its expert 1.0; our top-1 gate (DeepSpeed's) "
+                       "weighs it by its softmax probability")
+        _refuse_unless(config.get("sliding_window") is None, f"mixtral sliding_window={config['sliding_window']}: our "
+                       "attention is full causal")
+        f, interval, per_layer = config["intermediate_size"], 1, [config["num_local_experts"]] * nl
+    else:
+        _refuse_unless(not config.get("shared_expert_intermediate_size", 5632), "qwen2_moe with a shared expert "
+                       f"(shared_expert_intermediate_size {config.get('shared_expert_intermediate_size', 5632)}): "
+                       "not built here (PR-MoE's residual MLP is mixed by a softmax coefficient, not added)")
+        _refuse_unless(not config.get("qkv_bias", True), "qwen2_moe with qkv_bias: our --add-bias-linear puts biases "
+                       "on every linear layer, not q/k/v alone")
+        _refuse_unless(bool(config.get("norm_topk_prob", False)) == (k >= 2), f"qwen2_moe with num_experts_per_tok {k}"
+                       f" and norm_topk_prob={config.get('norm_topk_prob', False)}: our gate renormalises exactly "
+                       "when k >= 2")
+        _refuse_unless(not config.get("use_sliding_window", False), "qwen2_moe use_sliding_window: our attention is "
+                       "full causal")
+        interval, only = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        per_layer = [config["num_experts"] if (i + 1) % interval == 0 and i not in only else 1 for i in range(nl)]
+        f = config["moe_intermediate_size"]
+        _refuse_unless(all(n > 1 for n in per_layer) or config["intermediate_size"] == f, "qwen2_moe with "
+                       f"intermediate_size {config['intermediate_size']} != moe_intermediate_size {f}: our dense and "
+                       "expert MLPs have one --ffn-hidden-size")
+    tied = bool(config.get("tie_word_embeddings", False))
+    base = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    counts = [per_layer[n - 1] for n in range(interval, nl + 1, interval)]
+    m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": heads,
+         "num_key_value_heads": config.get("num_key_value_heads") or heads, "ffn_hidden_size": f,
+         "seq_length": config["max_position_embeddings"], "max_position_embeddings": config["max_position_embeddings"],
+         "vocab_size": config["vocab_size"], "normalization": "rmsnorm", "swiglu": True,
+         "position_embedding_type": "rope", "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
+         "rotary_base": float(base), "add_bias_linear": False, "untie_embeddings_and_output_weights": not tied,
+         "hidden_dropout": 0.0, "attention_dropout": config.get("attention_dropout", 0.0),
+         "init_method_std": config.get("initializer_range", 0.02),
+         # HF's function: every token through its top-k experts (no capacity), top-2's second largest gate.
+         "moe": {"num_experts": counts if len(set(counts)) > 1 else counts[:1], "expert_interval": interval,
+                 "topk": k, "moe_token_dropping": False, "moe_top2_2nd_expert_sampling": False}}
+    full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+            "final_layernorm.weight": hf["model.norm.weight"]}
+    for i, n in enumerate(per_layer):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        a = f"{src}self_attn."
+        full[f"{dst}input_layernorm.weight"] = hf[f"{src}input_layernorm.weight"]
+        full[f"{dst}post_attention_layernorm.weight"] = hf[f"{src}post_attention_layernorm.weight"]
+        full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
+            hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m)
+        full[f"{dst}self_attention.dense.weight"] = hf[f"{a}o_proj.weight"]
+        if n == 1:
+            full[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat([hf[f"{src}mlp.gate_proj.weight"],
+                                                                hf[f"{src}mlp.up_proj.weight"]])
+            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.down_proj.weight"]
+            continue
+        block = src + _BLOCK[kind]
+        full[f"{dst}mlp.deepspeed_moe.gate.wg.weight"] = hf[f"{block}gate.weight"]
+        gate, up, down = _EXPERT[kind]
+        for e in range(n):
+            ours, theirs = f"{dst}mlp.deepspeed_moe.experts.deepspeed_experts.{e}.", f"{block}experts.{e}."
+            full[f"{ours}dense_h_to_4h.weight"] = torch.cat([hf[f"{theirs}{gate}.weight"], hf[f"{theirs}{up}.weight"]])
+            full[f"{ours}dense_4h_to_h.weight"] = hf[f"{theirs}{down}.weight"]
+    if not tied:
+        full["output_layer.linear.weight"] = hf["lm_head.weight"]
+    return {k: v.contiguous() for k, v in full.items()}, m

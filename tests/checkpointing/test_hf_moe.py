@@ -133,3 +133,74 @@ def test_what_no_hf_architecture_computes_is_refused(size, fields, moe, match):
     cfg = named_model(size, vocab_size=VOCAB, moe=MoEConfig(**moe), **fields)
     with pytest.raises(ConfigError, match=match):
         moe_variant(dataclasses.asdict(cfg))
+
+
+def _hf_moe(kind: str, out: str):
+    """A transformers-built Mixtral (top-2, every layer) or Qwen2-MoE (top-1 on layer 1 only: decoder_sparse_step 2,
+    layer 3 in mlp_only_layers; no shared expert, no q/k/v bias), saved as transformers saves it."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, moe_intermediate_size=96, shared_expert_intermediate_size=0, num_experts=4, num_experts_per_tok=1,
+            decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False, qkv_bias=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(0.1 * torch.randn_like(p)) if p.dim() == 1 else None  # norms away from 1
+            p.mul_(8.0) if name.endswith("gate.weight") else None  # sharper routing: a wrong gate shows
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_hf_moe_imports_with_its_logits_and_exports_back(tmp_path, kind):
+    from megatron.arguments import model_config_from_args, parse_args
+    from megatron.checkpointing.convert import read_hf
+    from tools.convert_checkpoint_to_hf import main as to_hf
+    from tools.convert_hf_to_megatron import main as from_hf
+
+    hf = _hf_moe(kind, str(tmp_path / "hf"))
+    full_dir = str(tmp_path / "full")
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert from_hf(["--hf", str(tmp_path / "hf"), "--out", full_dir]) == 0
+    flags = printed.getvalue().strip().split(f"--load {full_dir} ", 1)[1].split()
+    cfg = model_config_from_args(parse_args(flags), VOCAB)
+    want_moe = {"mixtral": dict(num_experts=(4,), expert_interval=1, topk=2),
+                "qwen2_moe": dict(num_experts=(4, 1), expert_interval=2, topk=1)}[kind]
+    assert {k: getattr(cfg.moe, k) for k in want_moe} == want_moe, cfg.moe
+    assert not cfg.moe.moe_token_dropping and not cfg.moe.moe_top2_2nd_expert_sampling  # HF's function
+
+    full, fields, _ = read_any(full_dir)
+    ours = GPTModel(cfg, tp=single_process_state().tp).eval()
+    ours.load_state_dict({n: full[canonical_name(n, cfg.num_layers)] for n, _ in ours.named_parameters()})
+    with torch.no_grad():
+        assert (ours(_tokens()) - hf(_tokens()).logits).abs().max().item() < 1e-5
+
+    # Ours -> HF: the same tensors under the same names as transformers saved them.
+    assert to_hf(["--load", full_dir, "--out", str(tmp_path / "hf2")]) == 0
+    (theirs, _), (again, config) = read_hf(str(tmp_path / "hf")), read_hf(str(tmp_path / "hf2"))
+    assert config["model_type"] == kind and again.keys() == theirs.keys()
+    # Qwen2-MoE's shared expert is 0 wide: its sigmoid gate multiplies zeros, exported as zeros whatever it was.
+    shared_gates = [k for k in theirs if "shared_expert_gate" in k]
+    assert [k for k in theirs if not torch.equal(again[k], theirs[k])] == shared_gates
+    assert all(not again[k].any() for k in shared_gates) and len(shared_gates) == (kind == "qwen2_moe")
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(model_type="mixtral", num_experts_per_tok=1), "weighs its expert 1.0"),
+    (dict(model_type="qwen2_moe", num_experts_per_tok=4), "shared expert"),  # transformers' defaults: 5632 wide
+    (dict(model_type="qwen2_moe", num_experts_per_tok=4, shared_expert_intermediate_size=0), "qkv_bias"),
+    (dict(model_type="qwen2_moe", num_experts_per_tok=4, shared_expert_intermediate_size=0, qkv_bias=False),
+     "norm_topk_prob=False"),
+])
+def test_hf_moe_import_refuses_what_ours_does_not_compute(config, match):
+    from megatron.checkpointing.hf_moe import moe_from_hf
+
+    with pytest.raises(ConfigError, match=match):
+        moe_from_hf({}, dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, **config))
