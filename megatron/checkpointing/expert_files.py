@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,8 @@ def expert_file_name(moe_layer: int, expert: int, tp_rank: int) -> str:
     return f"layer_{moe_layer}_expert_{expert}_mp_rank_{tp_rank:02d}_model_states.pt"
 
 
-def read_expert_files(ckpt_dir: str, tp: int, experts_per_layer: list[int], canonical) -> list[dict[str, torch.Tensor]]:
+def read_expert_files(ckpt_dir: str, tp: int, experts_per_layer: list[int],
+                      canonical: Callable[[str], str]) -> list[dict[str, torch.Tensor]]:
     """One state per TP rank with every expert of every MoE layer under its global id (the names a one-process model
     has), from the files DeepSpeed's engine wrote; ``canonical`` maps a module name to GPTModel's. Each expert file
     names its tensors with the global id already; a missing file is an error naming it."""

@@ -151,8 +151,10 @@ def _hf_moe(kind: str, out: str):
             decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False, qkv_bias=False))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if p.dim() == 1 else None  # norms away from 1
-            p.mul_(8.0) if name.endswith("gate.weight") else None  # sharper routing: a wrong gate shows
+            if p.dim() == 1:  # norms away from 1
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("gate.weight"):  # sharper routing: a wrong gate shows
+                p.mul_(8.0)
     model.save_pretrained(out)
     return model.eval()
 
@@ -204,3 +206,13 @@ def test_hf_moe_import_refuses_what_ours_does_not_compute(config, match):
 
     with pytest.raises(ConfigError, match=match):
         moe_from_hf({}, dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, **config))
+
+
+def test_export_notes_say_when_hf_computes_otherwise():
+    from megatron.checkpointing.hf_moe import match_notes
+
+    trained = dataclasses.asdict(named_model("debug-llama", moe=MoEConfig(num_experts=(4,), topk=2)))
+    assert [n.split(":")[0] for n in match_notes(trained)] == ["HF has no expert capacity",
+                                                                "HF takes top-2's second largest gate"]
+    assert match_notes(dataclasses.asdict(named_model("debug-llama", moe=MoEConfig(num_experts=(4,), topk=2,
+                                                                                    **EXACT)))) == []
