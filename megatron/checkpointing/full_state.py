@@ -109,6 +109,9 @@ def _with_expert_files(ckpt_dir: str, meta: dict, moe: MoEConfig) -> list[dict[s
     """A checkpoint with experts (PP=1, ZeRO-0/1/2, as MoE runs): the dense part from mp_rank_XX_model_states.pt
     (DeepSpeed leaves the experts out of it), the experts from their own files."""
     nl, tp = meta["run"]["model"]["num_layers"], meta["run"]["parallel"]["tensor_model_parallel_size"]
+    if meta["run"]["parallel"]["pipeline_model_parallel_size"] > 1:  # per-stage expert files: another layout
+        raise CheckpointError(f"{ckpt_dir} holds a model with experts saved with pipeline parallelism: merging its "
+                              "expert files is built for PP=1 only")
     experts = read_expert_files(ckpt_dir, tp, moe.experts_per_layer(nl), lambda k: canonical_name(k, nl))
     states = []
     for rank in range(tp):
