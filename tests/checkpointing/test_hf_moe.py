@@ -216,3 +216,16 @@ def test_export_notes_say_when_hf_computes_otherwise():
                                                                 "HF takes top-2's second largest gate"]
     assert match_notes(dataclasses.asdict(named_model("debug-llama", moe=MoEConfig(num_experts=(4,), topk=2,
                                                                                     **EXACT)))) == []
+
+
+def test_pipeline_moe_checkpoint_is_refused(tmp_path):
+    from megatron.checkpointing.full_state import merge_checkpoint
+    from megatron.errors import CheckpointError
+
+    meta = {"partition_table": {}, "run": {"model": {"num_layers": 2, "moe": {"num_experts": [4]}},
+                                           "parallel": {"tensor_model_parallel_size": 1,
+                                                        "pipeline_model_parallel_size": 2}}}
+    with pytest.raises(CheckpointError, match="built for PP=1 only"):
+        merge_checkpoint(str(tmp_path), meta, with_experts=True)
+    with pytest.raises(CheckpointError, match="not built yet; resume it at its own layout"):  # no HF export: refused
+        merge_checkpoint(str(tmp_path), meta)
