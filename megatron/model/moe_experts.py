@@ -80,8 +80,8 @@ class Experts(nn.Module):
 
 
 def _summed_over(tp: GroupInfo):
-    """A tensor hook: the gradient summed over ``tp`` (runs before autograd accumulates it into ``.grad``, so DeepSpeed's
-    and ZeRO's accumulation hooks see the sum)."""
+    """A tensor hook: the gradient summed over ``tp`` (it runs before autograd accumulates it into ``.grad``, so
+    DeepSpeed's and ZeRO's accumulation hooks see the sum)."""
     return lambda grad: comm.all_reduce(grad.clone(), tp.group)
 
 

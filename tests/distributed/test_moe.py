@@ -11,6 +11,11 @@ parameter, for EP=4 and EP x TP=2 (experts whole, and split over TP), before any
 import pytest
 import torch
 
+from megatron.core import comm
+from megatron.perf.comm import estimate_comm
+from megatron.perf.layout import Layout
+from megatron.perf.memory import estimate_memory
+from tests.distributed.perf_probe import ObserverCounter
 from tests.launcher import run_distributed
 
 STEPS, GBS, MBS, SEQ, VOCAB, SEED = 3, 8, 2, 16, 120, 5
@@ -21,7 +26,7 @@ LAYOUTS = {
     "ep4 top2 sampling drop": (1, 4, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
     "ep2xtp2 expert-tp sp top1 no-drop": (2, 2, 0, True, dict(topk=1, moe_token_dropping=False,
                                                               enable_expert_tensor_parallelism=True), {}),
-    "ep2xtp2 top2 drop": (2, 2, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
+    "ep2xtp2 zero1 top2 drop": (2, 2, 1, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
     # Full recompute: the gates run again in the backward (the same draws; no-drop's capacity all-reduce again).
     "ep2 zero1 top2 no-drop recompute": (1, 2, 1, False, dict(topk=2, moe_token_dropping=False),
                                          dict(recompute_granularity="full")),
@@ -68,6 +73,9 @@ def _train(name):
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, state.dp.rank, state.dp.size, "cpu")
     out = {"lm": [], "moe": [], "norm": []}
+    observer = ObserverCounter()  # our collectives (all-to-alls, TP), for the performance model
+    observer.active = True
+    remove = comm.add_observer(observer)
     for _ in range(STEPS):
         res = train_step(engine, data, run.training.grad_accumulation_steps(state.dp.size))
         both = torch.tensor([res.loss, res.moe_loss])
@@ -75,7 +83,22 @@ def _train(name):
         out["lm"].append(both[0].item() / state.dp.size)
         out["moe"].append(both[1].item() / state.dp.size)
         out["norm"].append(res.grad_norm)
+    remove()
+    out["comm"] = {"tp": observer.by_op(state.tp.ranks), "ep": observer.by_op(state.ep.ranks)}
+    out["params"] = sum(p.numel() for p in engine.module.parameters())
+    out["optimizer_bytes"] = _optimizer_state_bytes(engine.optimizer, zero)
     return out
+
+
+def _optimizer_state_bytes(optimizer, zero):
+    """Bytes of the optimizer's states on this rank: Adam's m and v and, under ZeRO-1/2, DeepSpeed's fp32 partitions
+    (the inner optimizer's parameters, padding included); the per-tensor ``step`` counters are left out."""
+    inner = getattr(optimizer, "optimizer", optimizer) if zero else optimizer
+    total = sum(t.numel() * t.element_size() for state in inner.state.values()
+                for key, t in state.items() if key in ("exp_avg", "exp_avg_sq"))
+    if zero:
+        total += sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
+    return total
 
 
 def _layer_gradients(tp_size, ep_size, sp, moe):
@@ -162,5 +185,33 @@ def test_moe_layouts_match_single_process():
         for key in GRADIENT_CASES:
             worst, n = res[key]
             assert worst <= TOL and n > 20, f"rank {rank} {key}: gradients differ by {worst:.2e} ({n} parameters)"
+    _check_plan(results)
     for name, (lm, _, moe) in refs.items():  # the losses move (equality is not trivial); the balancing loss is there
         assert len(set(lm)) == STEPS and len(set(moe)) == STEPS and min(moe) > 0.05, (name, lm, moe)
+
+
+# Layouts whose capacity is fixed (token dropping): the planner's collectives are exact for them.
+COMM_CHECKED = ("ep4 top2 sampling drop", "ep2xtp2 zero1 top2 drop", "ep2 zero2 top1 residual drop")
+
+
+def _check_plan(results):
+    """The performance model (megatron/perf) against every rank of every layout: parameter bytes and optimizer-state
+    bytes per rank exactly (ZeRO's padded partitions of the dense and expert groups), and, where the capacity is
+    fixed, the bytes of every collective of ours over the TP and EP groups, op by op, exactly."""
+    for name, (tp, ep, zero, sp, moe, model) in LAYOUTS.items():
+        cfg = _model(moe, **model)
+        layout = Layout(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero,
+                        sequence_parallel=sp, recompute_granularity=model.get("recompute_granularity"), dtype="fp32",
+                        ep=ep)
+        terms = estimate_memory(cfg, layout, overhead_bytes=0).terms
+        want = {"tp": {}, "ep": {}}
+        for c in estimate_comm(cfg, layout).collectives:
+            if c.group in want:
+                want[c.group][c.op] = want[c.group].get(c.op, 0) + c.payload_per_step * STEPS
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert got["params"] * 4 == terms["weights"], (name, rank, got["params"] * 4, terms["weights"])
+            assert got["optimizer_bytes"] == terms["optimizer_states"], (name, rank, got["optimizer_bytes"],
+                                                                         terms["optimizer_states"])
+            if name in COMM_CHECKED:
+                assert got["comm"] == want, (name, rank, got["comm"], want)
