@@ -126,6 +126,12 @@ class Collective:
         return share if k == 1 else min(share, PACKAGE_BW if k == 2 else NODE_BW)
 
     def seconds_per_call(self) -> float:
+        if self.op == "all_to_all" and self.tier == "network":
+            # Unlike a ring, an all-to-all sends (n-k)/n of its payload off the node (k members on it), from every
+            # GCD of the node at once: they share its NICs, 12.5 GB/s each; the rest goes over the node's links.
+            n, k = self.group_size, self.members_on_node
+            off, on = self.payload_bytes * (n - k) / n, self.payload_bytes * (k - 1) / n
+            return LATENCY["network"] * (n - 1) + max(off / (NIC_BW_PER_NODE / GCDS_PER_NODE), on / NODE_BW)
         # An all-to-all is (n-1) pairwise exchanges of payload/n each: the same steps and bytes as a ring gather.
         steps = 1 if self.op == "send" else (self.group_size - 1) * (2 if self.op == "all_reduce" else 1)
         return LATENCY[self.tier] * steps + self.payload_bytes * self.wire_factor / self.bandwidth()

@@ -104,7 +104,8 @@ def _optimizer_state_bytes(optimizer, zero):
 def _layer_gradients(tp_size, ep_size, sp, moe):
     """Every parameter's gradient of the model on this layout (each DP rank one micro-batch, reduced as DeepSpeed
     reduces: dense over DP, experts over their replicas, both divided by DP) against one process on all of them.
-    Returns the worst relative difference and the number of parameters compared."""
+    Returns the worst relative difference, the number of parameters compared and the bytes of our collectives over
+    the TP and EP groups in the parallel forward and backward."""
     import deepspeed.comm as dist
 
     from megatron.core import comm
@@ -124,7 +125,12 @@ def _layer_gradients(tp_size, ep_size, sp, moe):
     batches = [next(data) for _ in range(state.dp.size)]  # rank d's micro-batch is the d-th
     total = sum(gpt_forward_step(ref, b) + ref.take_moe_loss() for b in batches) / len(batches)
     total.backward()
+    observer = ObserverCounter()  # one micro-batch's forward and backward: the collectives of ours
+    observer.active = True
+    remove = comm.add_observer(observer)
     (gpt_forward_step(par, batches[state.dp.rank]) + par.take_moe_loss()).backward()
+    remove()
+    sent = {"tp": observer.by_op(state.tp.ranks), "ep": observer.by_op(state.ep.ranks)}
     ref_params = dict(ref.named_parameters())
     local = cfg.moe.num_experts[0] // ep_size
     worst, n = 0.0, 0
@@ -140,7 +146,7 @@ def _layer_gradients(tp_size, ep_size, sp, moe):
         worst = max(worst, ((grad - want).abs().max() / max(1.0, want.abs().max().item())).item())
         n += 1
     dist.barrier()
-    return worst, n
+    return worst, n, sent
 
 
 def tail_split(name):
@@ -183,7 +189,7 @@ def test_moe_layouts_match_single_process():
                 for step, (a, b) in enumerate(zip(got[what], want, strict=True)):
                     assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} {name} step {step} {what}: {a} vs {b}"
         for key in GRADIENT_CASES:
-            worst, n = res[key]
+            worst, n, _ = res[key]
             assert worst <= TOL and n > 20, f"rank {rank} {key}: gradients differ by {worst:.2e} ({n} parameters)"
     _check_plan(results)
     for name, (lm, _, moe) in refs.items():  # the losses move (equality is not trivial); the balancing loss is there
@@ -194,20 +200,33 @@ def test_moe_layouts_match_single_process():
 COMM_CHECKED = ("ep4 top2 sampling drop", "ep2xtp2 zero1 top2 drop", "ep2 zero2 top1 residual drop")
 
 
+def _predicted(cfg, layout, steps):
+    """{"tp": {op: bytes}, "ep": {op: bytes}} of ``steps`` steps, megatron/perf/comm.py's model of rank 0."""
+    want = {"tp": {}, "ep": {}}
+    for c in estimate_comm(cfg, layout).collectives:
+        if c.group in want:
+            want[c.group][c.op] = want[c.group].get(c.op, 0) + c.payload_per_step * steps
+    return want
+
+
 def _check_plan(results):
     """The performance model (megatron/perf) against every rank of every layout: parameter bytes and optimizer-state
     bytes per rank exactly (ZeRO's padded partitions of the dense and expert groups), and, where the capacity is
-    fixed, the bytes of every collective of ours over the TP and EP groups, op by op, exactly."""
+    fixed, the bytes of every collective of ours over the TP and EP groups, op by op, exactly (also for the gradient
+    cases: one micro-batch, the TP-split experts' and sequence parallelism's collectives)."""
+    for key, (tp, ep, sp, moe) in GRADIENT_CASES.items():
+        layout = Layout(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=MBS * 4 // tp, zero_stage=0,
+                        sequence_parallel=sp, dtype="fp32", ep=ep)
+        want = _predicted(_model(moe), layout, 1)
+        for rank, res in enumerate(results):
+            assert res[key][2] == want, (key, rank, res[key][2], want)
     for name, (tp, ep, zero, sp, moe, model) in LAYOUTS.items():
         cfg = _model(moe, **model)
         layout = Layout(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero,
                         sequence_parallel=sp, recompute_granularity=model.get("recompute_granularity"), dtype="fp32",
                         ep=ep)
         terms = estimate_memory(cfg, layout, overhead_bytes=0).terms
-        want = {"tp": {}, "ep": {}}
-        for c in estimate_comm(cfg, layout).collectives:
-            if c.group in want:
-                want[c.group][c.op] = want[c.group].get(c.op, 0) + c.payload_per_step * STEPS
+        want = _predicted(cfg, layout, STEPS)
         for rank, res in enumerate(results):
             got = res[name]
             assert got["params"] * 4 == terms["weights"], (name, rank, got["params"] * 4, terms["weights"])
