@@ -137,7 +137,8 @@ def explicit_layout(args: argparse.Namespace, gcds: int) -> Layout | None:
                   global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
                   sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
                   flash_attention=not args.no_flash_attention, dtype=args.dtype,
-                  zero_hierarchy=args.zero_hpz_partition_size, ep=args.moe_expert_parallel_size)
+                  zero_hierarchy=args.zero_hpz_partition_size,
+                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
 
 
 def comm_line(model: ModelConfig, layout: Layout) -> str:

@@ -138,7 +138,8 @@ def layout_from_args(args: argparse.Namespace, world: int) -> Layout:
                   zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel,
                   recompute_granularity=args.recompute_granularity, flash_attention=args.flash,
                   dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                  zero_hierarchy=args.zero_hpz_partition_size, ep=args.moe_expert_parallel_size)
+                  zero_hierarchy=args.zero_hpz_partition_size,
+                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
 
 
 def _cell(p: Placement, world: int, layout: Layout, experts: bool = False) -> str:
