@@ -410,8 +410,10 @@ def group_tier(ranks: list[int], placements: list[Placement]) -> str:
     return "package" if len({placements[r].package for r in ranks}) == 1 else "node"
 
 
-def group_reports(placements: list[Placement], tp: int, pp: int, sp: int = 1) -> dict[str, GroupReport]:
-    groups = parallel_groups(len(placements), tp, pp, sp)
+def group_reports(placements: list[Placement], tp: int, pp: int, sp: int = 1,
+                  ep: int | None = None) -> dict[str, GroupReport]:
+    """Every group kind of ``parallel_groups`` (with experts, ``ep`` given: "ep" and "edp" too) and its tiers."""
+    groups = parallel_groups(len(placements), tp, pp, sp, ep)
     return {kind: GroupReport(kind, gs, [group_tier(g, placements) for g in gs]) for kind, gs in groups.items()}
 
 

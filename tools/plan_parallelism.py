@@ -22,13 +22,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, MoEConfig
 from megatron.errors import ConfigError, run_cli
 from megatron.config.sizes import model_names, named_model
+from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import DTYPE_BYTES, Layout
 from megatron.perf.memory import GCD_MEMORY_BYTES, GIB
 from megatron.perf.planner import Candidate, SearchSpace, evaluate, plan
-from megatron.topology import GCDS_PER_NODE
+from megatron.topology import GCDS_PER_NODE, TIERS
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage")
 
@@ -45,6 +46,18 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--vocab-size", type=int, help="before padding (default 50257, GPT-2's; named sizes: theirs)")
+    g = p.add_argument_group("mixture of experts (upstream's flags)")
+    g.add_argument("--num-experts", type=int, nargs="+", default=[1])
+    g.add_argument("--expert-interval", type=int, default=2)
+    g.add_argument("--topk", type=int, default=1)
+    g.add_argument("--mlp-type", choices=("standard", "residual"), default="standard")
+    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-min-capacity", type=int, default=4)
+    g.add_argument("--disable-moe-token-dropping", action="store_true")
+    g.add_argument("--enable-expert-tensor-parallelism", action="store_true")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=1, help="EP of the explicit layout (default 1)")
+    g.add_argument("--ep-sizes", type=int, nargs="+",
+                   help="EP sizes the search tries (default: every divisor of the expert count)")
     g = p.add_argument_group("machine and batch")
     g.add_argument("--nodes", type=int, help=f"Frontier nodes ({GCDS_PER_NODE} GCDs each)")
     g.add_argument("--gcds", type=int, help="GCDs (ranks); instead of --nodes")
@@ -79,6 +92,12 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     if args.swiglu:
         optional["swiglu"] = True
     optional = {k: v for k, v in optional.items() if v is not None}
+    optional["moe"] = MoEConfig(num_experts=tuple(args.num_experts), expert_interval=args.expert_interval,
+                                topk=args.topk, mlp_type=args.mlp_type,
+                                moe_train_capacity_factor=args.moe_train_capacity_factor,
+                                moe_min_capacity=args.moe_min_capacity,
+                                moe_token_dropping=not args.disable_moe_token_dropping,
+                                enable_expert_tensor_parallelism=args.enable_expert_tensor_parallelism)
     if args.model_size:
         overrides = {k: v for k, v in shape.items() if v is not None} | optional
         if "seq_length" in overrides:
@@ -118,7 +137,22 @@ def explicit_layout(args: argparse.Namespace, gcds: int) -> Layout | None:
                   global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
                   sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
                   flash_attention=not args.no_flash_attention, dtype=args.dtype,
-                  zero_hierarchy=args.zero_hpz_partition_size)
+                  zero_hierarchy=args.zero_hpz_partition_size,
+                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
+
+
+def comm_line(model: ModelConfig, layout: Layout) -> str:
+    """Bytes one GCD (stage 0, TP rank 0, DP rank 0) sends per step by link tier, and the experts' all-to-alls'."""
+    comm = estimate_comm(model, layout, 0)
+    every = comm.wire_bytes_by_tier()
+    moe = dict.fromkeys(TIERS, 0.0)
+    for c in comm.collectives:
+        if c.group == "ep" and c.op == "all_to_all":
+            moe[c.tier] += c.wire_bytes
+    text = ", ".join(f"{t} {every[t] / 1e9:.3f}" for t in TIERS)
+    if model.moe.enabled:
+        text += " | MoE all-to-alls: " + ", ".join(f"{t} {moe[t] / 1e9:.3f}" for t in TIERS)
+    return f"sent per step by one GCD (GB, by link tier): {text}"
 
 
 def _gib(x: float) -> str:
@@ -194,6 +228,14 @@ def sbatch_command(model: ModelConfig, layout: Layout, ds_config_path: str | Non
         flags.append("--use-flash-attn-v2")
     if layout.dtype != "fp32":
         flags.append(f"--{layout.dtype}")
+    if model.moe.enabled:
+        m = model.moe
+        flags += [f"--num-experts {' '.join(map(str, m.num_experts))}", f"--expert-interval {m.expert_interval}",
+                  f"--topk {m.topk}", f"--moe-expert-parallel-size {layout.ep}"]
+        if m.mlp_type != "standard":
+            flags.append(f"--mlp-type {m.mlp_type}")
+        if m.enable_expert_tensor_parallelism:
+            flags.append("--enable-expert-tensor-parallelism")
     flags += ["--deepspeed", f"--zero-stage {layout.zero_stage}"]
     if ds_config_path:
         flags.append(f"--deepspeed_config {ds_config_path}")
@@ -257,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"over {args.memory_gib:g} GiB")
     else:
         space = SearchSpace(flash_attention=not args.no_flash_attention, dtype=args.dtype,
-                            ds_sequence_parallel_size=tuple(args.sp_sizes))
+                            ds_sequence_parallel_size=tuple(args.sp_sizes),
+                            ep=tuple(args.ep_sizes) if args.ep_sizes else None)
         ranked, everything = plan(model, gcds, args.global_batch_size, space, capacity)
         print(f"{len(everything)} valid layouts, {len(ranked)} fit in {args.memory_gib:g} GiB; top {args.top} "
               "by predicted useful TFLOP/s (memory in GiB per GCD, worst stage; time in s per step):")
@@ -266,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = best.memory
     print("memory terms of the best (GiB): " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.terms.items()) +
           f" (stage {mem.stage})")
+    print(comm_line(model, best.layout))
     if args.plot:
         write_plot(args.plot, everything, ranked, capacity, args.top)
         print(f"plot: {args.plot}")

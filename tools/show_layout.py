@@ -17,7 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, MoEConfig
 from megatron.errors import ConfigError, run_cli
 from megatron.config.sizes import model_names, named_model
 from megatron.perf.layout import Layout
@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp16", action="store_true")
     p.add_argument("--use-flash-attn-v2", "--use-flash-attn", dest="flash", action="store_true")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    moe = p.add_argument_group("mixture of experts (upstream's flags; the planner counts experts per rank)")
+    moe.add_argument("--num-experts", type=int, nargs="+", default=[1])
+    moe.add_argument("--expert-interval", type=int, default=2)
+    moe.add_argument("--topk", type=int, default=1)
+    moe.add_argument("--mlp-type", choices=("standard", "residual"), default="standard")
+    moe.add_argument("--moe-expert-parallel-size", type=int, default=1)
+    moe.add_argument("--enable-expert-tensor-parallelism", action="store_true")
     p.add_argument("--allow-tp-across-nodes", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the layout and the memory terms to a PNG")
     p.add_argument("--summary-only", action="store_true", help="skip the per-rank table")
@@ -97,6 +104,9 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
         overrides["untie_embeddings_and_output_weights"] = True
     if args.disable_bias_linear:
         overrides["add_bias_linear"] = False
+    overrides["moe"] = MoEConfig(num_experts=tuple(args.num_experts), expert_interval=args.expert_interval,
+                                 topk=args.topk, mlp_type=args.mlp_type,
+                                 enable_expert_tensor_parallelism=args.enable_expert_tensor_parallelism)
     if args.model_size:
         return named_model(args.model_size, **overrides)
     missing = [flag for flag, field, _ in _MODEL_FLAGS[:6] if field not in overrides and field in
@@ -128,12 +138,15 @@ def layout_from_args(args: argparse.Namespace, world: int) -> Layout:
                   zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel,
                   recompute_granularity=args.recompute_granularity, flash_attention=args.flash,
                   dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                  zero_hierarchy=args.zero_hpz_partition_size)
+                  zero_hierarchy=args.zero_hpz_partition_size,
+                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
 
 
-def _cell(p: Placement, world: int, layout: Layout) -> str:
+def _cell(p: Placement, world: int, layout: Layout, experts: bool = False) -> str:
     t, pp_rank, d = coordinates(p.rank, world, layout.tp, layout.pp)
-    return f"{p.rank}:t{t}p{pp_rank}d{d}"
+    # With experts: e<EP group>.<EP rank>, the group counted over the DP ranks of one TP rank and stage.
+    ep = f"e{d // layout.ep}.{d % layout.ep}" if experts else ""
+    return f"{p.rank}:t{t}p{pp_rank}d{d}{ep}"
 
 
 def _shown_nodes(num_nodes: int, all_nodes: bool) -> list[int | None]:
@@ -144,14 +157,15 @@ def _shown_nodes(num_nodes: int, all_nodes: bool) -> list[int | None]:
     return [*range(half), None, *range(num_nodes - half, num_nodes)]
 
 
-def format_table(placements: list[Placement], layout: Layout, all_nodes: bool = False) -> str:
-    """Nodes x GCDs; each cell is ``rank:t<TP rank>p<PP stage>d<DP rank>``, columns in local-rank order."""
+def format_table(placements: list[Placement], layout: Layout, all_nodes: bool = False, experts: bool = False) -> str:
+    """Nodes x GCDs; each cell is ``rank:t<TP rank>p<PP stage>d<DP rank>`` (with experts also ``e<EP group>.<EP
+    rank>``), columns in local-rank order."""
     world = len(placements)
     per_node = max(p.local_rank for p in placements) + 1
     by_node: dict[int, list[Placement]] = {}
     for p in placements:
         by_node.setdefault(p.node_index, []).append(p)
-    width = max(len(_cell(p, world, layout)) for p in placements) + 1
+    width = max(len(_cell(p, world, layout, experts)) for p in placements) + 1
     width = max(width, 10)
     first = by_node[0]
     head = [("local rank", [f"{p.local_rank}" for p in first]), ("GCD", [f"{p.gcd}" for p in first]),
@@ -164,7 +178,7 @@ def format_table(placements: list[Placement], layout: Layout, all_nodes: bool = 
         if node is None:
             lines.append(f"{'...':<11}|  (nodes elided; --all-nodes shows them)")
             continue
-        cells = "".join(f"{_cell(p, world, layout):>{width}}" for p in by_node[node])
+        cells = "".join(f"{_cell(p, world, layout, experts):>{width}}" for p in by_node[node])
         lines.append(f"{'node ' + str(node):<11}|" + cells)
     return "\n".join(lines)
 
@@ -175,6 +189,11 @@ def format_groups(reports: dict[str, GroupReport]) -> str:
         g = report.groups[0]
         example = g if len(g) <= 8 else [*g[:4], "...", *g[-2:]]
         lines.append(f"  {report.summary()}; e.g. [{', '.join(map(str, example))}]")
+    ep = reports.get("ep")
+    if ep is not None and "network" in ep.tiers:
+        lines.append(f"  WARNING: {ep.tiers.count('network')} of {len(ep.groups)} EP groups cross nodes: every MoE "
+                     f"layer's token all-to-alls go over Slingshot; use --moe-expert-parallel-size x "
+                     f"--tensor-model-parallel-size <= {GCDS_PER_NODE}")
     return "\n".join(lines)
 
 
@@ -204,9 +223,16 @@ def render(model: ModelConfig, layout: Layout, world: int, ranks_per_node: int =
            all_nodes: bool = False) -> tuple[str, MemoryEstimate, list[Placement], dict[str, GroupReport]]:
     """The whole dry-run report as text, plus the pieces the plot needs."""
     layout.validate_for(model)
+    if model.moe.enabled:
+        model.moe.validate(model.num_layers, layout.micro_batch_size * model.seq_length)
+        for n in {n for n in model.layer_experts() if n > 1}:
+            if n % layout.ep:
+                raise ConfigError(f"--moe-expert-parallel-size {layout.ep} does not divide --num-experts {n}: use a "
+                                  "divisor of the expert count")
     check_tp_within_node(world, layout.tp, layout.pp, ranks_per_node, allow_tp_across_nodes)
     placements = frontier_placement(world, ranks_per_node)
-    reports = group_reports(placements, layout.tp, layout.pp, layout.ulysses)
+    experts = model.moe.enabled
+    reports = group_reports(placements, layout.tp, layout.pp, layout.ulysses, layout.ep if experts else None)
     est = estimate_memory(model, layout)
     nodes = placements[-1].node_index + 1
     out = [
@@ -215,15 +241,25 @@ def render(model: ModelConfig, layout: Layout, world: int, ranks_per_node: int =
          f"{', flash attention' if layout.flash_attention else ''}"),
         (f"Model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
          f"seq {model.seq_length}, vocab {model.vocab_size}: {model.num_parameters(layout.tp) / 1e9:.2f}B parameters; "
-         f"layers per stage {_stage_text(layout.stage_layers(model.num_layers))}"),
+         f"layers per stage {_stage_text(layout.stage_layers(model.num_layers))}{_experts_text(model, layout)}"),
     ]
     if not summary_only:
-        out += ["", "Ranks (cell = rank:t<TP rank>p<PP stage>d<DP rank>; srun -c7 --gpu-bind=closest, #SBATCH -S 8):",
-                format_table(placements, layout, all_nodes)]
+        cell = "rank:t<TP rank>p<PP stage>d<DP rank>" + ("e<EP group>.<EP rank>" if experts else "")
+        out += ["", f"Ranks (cell = {cell}; srun -c7 --gpu-bind=closest, #SBATCH -S 8):",
+                format_table(placements, layout, all_nodes, experts)]
     out += ["", ("Groups, by the slowest link they cross: package (200 GB/s) > node (50-100 GB/s) > "
              "network (100 GB/s per node, shared by its 8 GCDs):"),
             format_groups(reports), "", format_memory(est, layout)]
     return "\n".join(out), est, placements, reports
+
+
+def _experts_text(model: ModelConfig, layout: Layout) -> str:
+    moe = [n for n in model.layer_experts() if n > 1]
+    if not moe:
+        return ""
+    counts = "/".join(str(n) for n in sorted(set(moe)))
+    return (f"; {len(moe)} MoE layers of {counts} experts (top-{model.moe.topk}, EP={layout.ep}), "
+            f"{model.num_parameters(layout.tp, active=True) / 1e9:.2f}B parameters active per token")
 
 
 def _stage_text(layers: list[int]) -> str:

@@ -132,20 +132,35 @@ class ModelConfig:
         ``num_experts`` > 1: an MoE layer (megatron/model/moe.py), whose experts are split over ``ep`` expert-parallel
         ranks and, only with --enable-expert-tensor-parallelism, over TP; its gate (and PR-MoE's mixing
         coefficient) is replicated, PR-MoE's dense MLP split over TP like the experts."""
+        return sum(self.layer_parameter_kinds(tp, num_experts, ep))
+
+    def layer_parameter_kinds(self, tp: int = 1, num_experts: int = 1, ep: int = 1) -> tuple[int, int, int, int]:
+        """``layer_parameters`` by kind, as the optimizer groups them (megatron/optim/optimizer.py: weight decay on
+        matrices, none on vectors; experts in groups of their own, which ZeRO shards over the experts' replicas):
+        (dense matrices, dense vectors, expert matrices, expert vectors) of one TP rank."""
         h = self.hidden_size
         kv = self.num_key_value_heads * self.head_dim
         bias = 1 if self.add_bias_linear else 0
-        attention = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h
-        replicated = bias * h + 2 * self.norm_parameters()  # the projection's row-parallel bias and the norms
-        if num_experts == 1:  # the MLP's fc2 bias is row-parallel: replicated
-            return (attention + self.mlp_parameters() - bias * h) // tp + replicated + bias * h
+        f, fc1_out = self.ffn_hidden_size, (2 if self.swiglu else 1) * self.ffn_hidden_size
+        matrices = (h * (h + 2 * kv) + h * h) // tp  # QKV and the projection
+        vectors = bias * (h + 2 * kv) // tp + bias * h + 2 * self.norm_parameters()  # proj bias, norms replicated
+        # An MLP split over ``t`` ranks: fc1 and fc2 (and fc1's bias) split, fc2's row-parallel bias replicated.
+        def mlp_matrices(t: int) -> int:
+            return h * fc1_out // t + f * h // t
+
+        def mlp_vectors(t: int) -> int:
+            return bias * fc1_out // t + bias * h
+
+        if num_experts == 1:
+            return matrices + mlp_matrices(tp), vectors + mlp_vectors(tp), 0, 0
+        # An expert under TP is the dense MLP's split; without, whole on every TP rank. The gate [E, h] is replicated.
         expert_tp = tp if self.moe.enable_expert_tensor_parallelism else 1
-        # An expert under TP is the dense MLP's split (fc2's bias replicated); without, whole on every TP rank.
-        expert = (self.mlp_parameters() - bias * h) // expert_tp + bias * h
-        moe = num_experts // ep * expert + num_experts * h  # the local experts and the gate [E, h]
-        if self.moe.mlp_type == "residual":
-            moe += expert + 2 * h + 2  # PR-MoE's dense MLP and its mixing coefficient Linear(h, 2)
-        return attention // tp + replicated + moe
+        local = num_experts // ep
+        matrices += num_experts * h
+        if self.moe.mlp_type == "residual":  # PR-MoE's dense MLP and its mixing coefficient Linear(h, 2)
+            matrices += mlp_matrices(expert_tp) + 2 * h
+            vectors += mlp_vectors(expert_tp) + 2
+        return matrices, vectors, local * mlp_matrices(expert_tp), local * mlp_vectors(expert_tp)
 
     def active_layer_parameters(self, num_experts: int = 1) -> int:
         """Parameters one token passes through in one layer (full model): a dense layer's all; an MoE layer's gate

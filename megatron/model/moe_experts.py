@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core import comm
 from megatron.core.moe import draws, gating
 from megatron.core.moe.dispatch import combine, dispatch, route_slots
 from megatron.core.moe.mappings import all_to_all, gather_capacity, split_capacity
@@ -43,7 +44,11 @@ class Experts(nn.Module):
     its own initialisation key (upstream deep-copies one MLP, so its experts start equal).
 
     Their parameters carry DeepSpeed's MoE marks (``allreduce=False``, ``group_name``): its engine and ZeRO reduce and
-    shard them over the expert-replica group, and its checkpoints write one file per expert."""
+    shard them over the expert-replica group, and its checkpoints write one file per expert.
+
+    Whole experts under TP > 1 run on this TP rank's 1/TP of the slots only, so each TP rank's gradient is a part of
+    the expert's: a hook sums it over TP before it is accumulated (every micro-batch, the weights' bytes over TP). The
+    expert-replica group holds no TP peer (DeepSpeed's groups, megatron/topology.py), so its reduction cannot."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, num_experts: int, *, tp: GroupInfo, ep: GroupInfo,
                  init_seed: int) -> None:
@@ -62,6 +67,8 @@ class Experts(nn.Module):
         for p in self.parameters():
             p.allreduce = False
             p.group_name = expert_group_name(ep.size)
+            if not self.expert_tp and tp.size > 1:
+                p.register_hook(_summed_over(tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [ep, E_local, c, h] (the slots each EP rank sent to each local expert) -> the same shape."""
@@ -70,6 +77,12 @@ class Experts(nn.Module):
             y, bias = expert(x[:, i].transpose(0, 1))  # [c, ep, h]: the slots first, as the MLP's sequence dim
             outs.append((y if bias is None else y + bias).transpose(0, 1))  # [ep, c, h]
         return torch.stack(outs, dim=1)
+
+
+def _summed_over(tp: GroupInfo):
+    """A tensor hook: the gradient summed over ``tp`` (it runs before autograd accumulates it into ``.grad``, so
+    DeepSpeed's and ZeRO's accumulation hooks see the sum)."""
+    return lambda grad: comm.all_reduce(grad.clone(), tp.group)
 
 
 class RoutedExperts(nn.Module):
@@ -100,8 +113,10 @@ class RoutedExperts(nn.Module):
         """tokens [S, h] (the same on every TP rank), keys [S] -> (output [S, h], the load-balancing loss)."""
         routing = self.route(tokens, keys)
         num_experts, hidden = self.num_experts, tokens.shape[-1]
-        split = self.experts.expert_tp
-        # Expert TP sends 1/TP of the slots per TP rank: pad the buffer (not the capacity) to split evenly.
+        # Every TP rank holds the same tokens and routes: each sends and computes 1/TP of the slots (upstream's
+        # drop_tokens / gather_tokens), whole experts or TP-split. The buffer, not the capacity, is padded to split
+        # evenly (upstream asserts it divides, or pads the no-drop capacity): the padding slots are read by nothing.
+        split = self.tp.size > 1
         slots_per_expert = -(-routing.capacity // self.tp.size) * self.tp.size if split else routing.capacity
         slots = route_slots(routing, num_experts, slots_per_expert)  # [k, S]
         buf = dispatch(tokens, slots, num_experts, slots_per_expert)  # [E, C, h]

@@ -43,6 +43,9 @@ Which collectives run follows Megatron-LM with the DeepSpeed engine:
   more than ``stage3_max_reuse_distance`` parameters ahead (``zero3_kept_parameters``; over the hpZ group
   with ZeRO++ hpZ). A stage under 0.5e9 parameters per GCD is gathered once per micro-batch.
 
+* EP (mixture of experts): megatron/perf/moe_comm.py; an MoE layer has no dense MLP, so its TP collectives are the
+  attention's (plus its own); the experts' gradients reduce over their replicas, not over DP.
+
 Rank order is Megatron's (TP innermost, then DP, then PP) with 8 GCDs per node and 2 per MI250X package
 (``megatron.topology``); a group's tier is the slowest link it crosses.
 """
@@ -56,7 +59,8 @@ from functools import lru_cache
 from megatron.config import ModelConfig
 from megatron.perf.hzero import hierarchical_zero_collectives
 from megatron.perf.layout import Layout
-from megatron.perf.memory import ZERO3_MAX_REUSE_DISTANCE, stage_parameters, zero3_kept_parameters
+from megatron.perf.memory import ZERO3_MAX_REUSE_DISTANCE, stage_parameter_kinds, zero3_kept_parameters
+from megatron.perf.moe_comm import moe_layer_collectives
 from megatron.topology import GCDS_PER_NODE, TIERS
 
 GB = 1e9
@@ -73,7 +77,8 @@ LATENCY = {"package": 5e-6, "node": 10e-6, "network": 30e-6}
 @dataclass
 class Collective:
     group: str
-    """'tp', 'pp', 'dp', 'sp' (Ulysses) or 'embedding' (first <-> last stage)."""
+    """'tp', 'pp', 'dp' (experts' replicas included), 'sp' (Ulysses), 'ep' (experts) or 'embedding' (first <-> last
+    stage)."""
     op: str
     """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all' or 'send'."""
     phase: str
@@ -121,6 +126,12 @@ class Collective:
         return share if k == 1 else min(share, PACKAGE_BW if k == 2 else NODE_BW)
 
     def seconds_per_call(self) -> float:
+        if self.op == "all_to_all" and self.tier == "network":
+            # Unlike a ring, an all-to-all sends (n-k)/n of its payload off the node (k members on it), from every
+            # GCD of the node at once: they share its NICs, 12.5 GB/s each; the rest goes over the node's links.
+            n, k = self.group_size, self.members_on_node
+            off, on = self.payload_bytes * (n - k) / n, self.payload_bytes * (k - 1) / n
+            return LATENCY["network"] * (n - 1) + max(off / (NIC_BW_PER_NODE / GCDS_PER_NODE), on / NODE_BW)
         # An all-to-all is (n-1) pairwise exchanges of payload/n each: the same steps and bytes as a ring gather.
         steps = 1 if self.op == "send" else (self.group_size - 1) * (2 if self.op == "all_reduce" else 1)
         return LATENCY[self.tier] * steps + self.payload_bytes * self.wire_factor / self.bandwidth()
@@ -189,9 +200,17 @@ def _norm_tensors(model: ModelConfig) -> int:
     return 2 if model.normalization == "layernorm" else 1
 
 
-def _sp_replicated_params(model: ModelConfig) -> int:
-    """Gradient all-reduces per layer under SP, each of ``h`` elements: norm weights/biases, row-parallel biases."""
-    return 2 * _norm_tensors(model) + (2 if model.add_bias_linear else 0)
+def _sp_replicated_params(model: ModelConfig, moe: bool = False) -> int:
+    """Gradient all-reduces per layer under SP, each of ``h`` elements: norm weights/biases, row-parallel biases (an
+    MoE layer has no dense MLP: the projection's only)."""
+    return 2 * _norm_tensors(model) + ((1 if moe else 2) if model.add_bias_linear else 0)
+
+
+def _stage_experts(model: ModelConfig, layout: Layout, stage: int) -> list[int]:
+    """Expert count of each layer of ``stage`` (1: dense)."""
+    counts = layout.stage_layers(model.num_layers)
+    first = sum(counts[:stage])
+    return model.layer_experts()[first:first + counts[stage]]
 
 
 def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
@@ -212,19 +231,25 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             on_node = 1
         out.append(Collective(group, op, phase, calls, float(payload), len(ranks), tier, on_node, conc))
 
+    experts = _stage_experts(model, layout, stage)
+    tp_ranks = [_rank(layout, stage, 0, i) for i in range(t)]
     if t > 1:
-        tp_ranks = [_rank(layout, stage, 0, i) for i in range(t)]
-        n_layers = layout.stage_layers(model.num_layers)[stage]
+        n_moe = sum(1 for n in experts if n > 1)
+        n_dense = len(experts) - n_moe
         # Full recompute replays the layer's forward, but torch's non-reentrant checkpoint stops once the last
         # saved tensor is rebuilt: FC2's output collective (nothing saves its result) is not replayed.
         replay = 1 if layout.recompute_granularity == "full" else 0
         sp = layout.sequence_parallel
+        # An MoE layer has the attention's collectives only (its gate and dispatch run on replicated tokens); under
+        # SP it gathers the sequence in forward (replayed) and its split's gradient in backward: as many gathers.
         if sp:
-            add("tp", "all_gather", "layers", m * n_layers * (4 + 2 * replay), act, tp_ranks)
-            add("tp", "reduce_scatter", "layers", m * n_layers * (4 + replay), act, tp_ranks)
-            add("tp", "all_reduce", "sp param grads", m * n_layers * _sp_replicated_params(model), h * a, tp_ranks)
+            add("tp", "all_gather", "layers", m * len(experts) * (4 + 2 * replay), act, tp_ranks)
+            add("tp", "reduce_scatter", "layers", m * (n_dense * (4 + replay) + n_moe * (2 + replay)), act, tp_ranks)
+            add("tp", "all_reduce", "sp param grads", m * (n_dense * _sp_replicated_params(model)
+                                                         + n_moe * _sp_replicated_params(model, moe=True)), h * a,
+                tp_ranks)
         else:
-            add("tp", "all_reduce", "layers", m * n_layers * (4 + replay), act, tp_ranks)
+            add("tp", "all_reduce", "layers", m * (n_dense * (4 + replay) + n_moe * (2 + replay)), act, tp_ranks)
         if stage == 0:
             add("tp", "all_reduce", "embedding", m, act, tp_ranks)
             if sp:
@@ -246,6 +271,10 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
         for payload in ulysses_all_to_all_bytes(model, layout):
             add("sp", "all_to_all", "attention", m * n_layers * passes, payload, sp_ranks)
 
+    for n in sorted(set(experts) - {1}):
+        moe_layer_collectives(add, model, layout, n, experts.count(n), tp_ranks,
+                              [_shard_rank(layout, stage, d) for d in range(layout.ep)])
+
     stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
         p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
@@ -259,15 +288,21 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
                 model.padded_vocab_size(t) * h // t * a, pair, stage_gcds)
 
     if layout.shard_dp > 1:
-        p = stage_parameters(model, layout, stage)
+        dm, dv, em, ev = stage_parameter_kinds(model, layout, stage)
+        p = dm + dv
         w, g = p * a, p * a  # 16-bit (or fp32) weights and gradients on the wire
         dp_ranks = [_shard_rank(layout, stage, d) for d in range(layout.shard_dp)]
+        # The experts' gradients and weights go over their replicas instead (EP-strided DP ranks).
+        edp_ranks = [_shard_rank(layout, stage, d) for d in range(0, layout.shard_dp, layout.ep)]
         z = layout.zero_stage
         if z == 0:
             add("dp", "all_reduce", "grads", 1, g, dp_ranks)
+            add("dp", "all_reduce", "expert grads", 1, (em + ev) * a, edp_ranks)
         elif z in (1, 2):
             add("dp", "all_reduce", "grads", 1 if z == 1 else m, g, dp_ranks)
             add("dp", "all_gather", "weights", 1, w, dp_ranks)
+            add("dp", "all_reduce", "expert grads", 1 if z == 1 else m, (em + ev) * a, edp_ranks)
+            add("dp", "all_gather", "expert weights", 1, (em + ev) * a, edp_ranks)
         elif layout.hierarchical_zero or layout.hierarchical_zero_int8:
             hierarchical_zero_collectives(add, model, p, a, m, layout.dp, t, lambda d: _rank(layout, stage, d),
                                           layout.hierarchical_zero_int8)

@@ -40,6 +40,9 @@ class Layout:
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks sharing one sequence, inside the data-parallel dimension (``dp`` counts the rest).
     Activations shrink by it; two all-to-alls per layer appear; ZeRO shards over SP x DP."""
+    ep: int = 1
+    """--moe-expert-parallel-size: a model with experts splits each MoE layer's experts over ``ep`` consecutive
+    data-parallel ranks; their replicas (``expert_dp``) reduce and shard the experts' gradients and states."""
 
     def __post_init__(self) -> None:
         if self.tp == 1:
@@ -58,6 +61,11 @@ class Layout:
     def shard_dp(self) -> int:
         """Ranks ZeRO partitions over and gradients are reduced over: SP x DP."""
         return self.ulysses * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: the ranks ZeRO shards the experts' states over (DeepSpeed's expert data group)."""
+        return self.shard_dp // self.ep
 
     @property
     def num_microbatches(self) -> int:
@@ -102,6 +110,9 @@ class Layout:
                     f"--zero-hpz-partition-size {self.zero_hierarchy} must divide the data-parallel size {self.dp}"
                 )
 
+        if self.ep < 1 or self.shard_dp % self.ep:
+            raise ConfigError(f"--moe-expert-parallel-size {self.ep} does not divide the data-parallel size "
+                              f"{self.shard_dp}: use a divisor of it")
         if self.ulysses < 1:
             raise ConfigError(f"--ds-sequence-parallel-size must be >= 1, got {self.ulysses}")
         if self.ulysses > 1 and (self.hierarchical_zero or self.hierarchical_zero_int8):
@@ -144,6 +155,8 @@ class Layout:
             extras.append(f"Ulysses SP={self.ulysses}")
         if self.hierarchical_zero or self.hierarchical_zero_int8:
             extras.append("hierarchical ZeRO" + (" int8" if self.hierarchical_zero_int8 else ""))
+        if self.ep > 1:
+            extras.append(f"EP={self.ep}")
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} ZeRO={self.zero_stage}"
                 f"{tail}")

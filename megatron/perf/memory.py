@@ -76,18 +76,42 @@ class MemoryEstimate:
         return self.total <= capacity
 
 
-def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> int:
-    """Parameters on one GCD of pipeline ``stage`` before any ZeRO sharding."""
+def stage_parameter_kinds(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int, int, int]:
+    """Parameters on one GCD of pipeline ``stage`` before any ZeRO sharding, as the optimizer groups them:
+    (dense matrices, dense vectors, expert matrices, expert vectors); experts split over ``layout.ep``."""
+    counts = layout.stage_layers(model.num_layers)
+    first = sum(counts[:stage])
+    kinds = [0, 0, 0, 0]
+    for n in model.layer_experts()[first:first + counts[stage]]:
+        kinds = [a + b for a, b in zip(kinds, model.layer_parameter_kinds(layout.tp, n, layout.ep), strict=True)]
     words = model.word_embedding_parameters(layout.tp)
-    params = layout.stage_layers(model.num_layers)[stage] * model.layer_parameters(layout.tp)
     if stage == 0:
-        params += words + model.position_parameters()  # positions are replicated over TP, as in Megatron
+        kinds[0] += words + model.position_parameters()  # positions are replicated over TP, as in Megatron
     if stage == layout.pp - 1:
-        params += model.norm_parameters()
+        kinds[1] += model.norm_parameters()
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
             # Untied output layer, or Megatron's copy of the tied word embeddings on the last stage.
-            params += words
-    return params
+            kinds[0] += words
+    return kinds[0], kinds[1], kinds[2], kinds[3]
+
+
+def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters on one GCD of pipeline ``stage`` before any ZeRO sharding (experts: this EP rank's)."""
+    return sum(stage_parameter_kinds(model, layout, stage))
+
+
+def zero_partition(numel: int, ranks: int) -> int:
+    """Elements of one rank's ZeRO-1/2 partition of an optimizer group of ``numel`` elements: DeepSpeed pads the
+    flat group to a multiple of 2 x ranks (``nccl_start_alignment_factor``) and splits it evenly."""
+    return -(-numel // (2 * ranks)) * 2 if numel else 0
+
+
+def local_partition(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """Elements of the optimizer's partition on one GCD under ZeRO-1/2: each of the four optimizer groups
+    (``stage_parameter_kinds``) padded and split, the dense ones over SP x DP, the experts' over their replicas."""
+    dm, dv, em, ev = stage_parameter_kinds(model, layout, stage)
+    return (zero_partition(dm, layout.shard_dp) + zero_partition(dv, layout.shard_dp)
+            + zero_partition(em, layout.expert_dp) + zero_partition(ev, layout.expert_dp))
 
 
 def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
@@ -137,14 +161,18 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     a = layout.dtype_bytes
     mixed = layout.dtype in ("bf16", "fp16")
-    params = stage_parameters(model, layout, stage)
-    dp, z = layout.shard_dp, layout.zero_stage  # ZeRO shards over SP x DP
+    kinds = stage_parameter_kinds(model, layout, stage)
+    params = sum(kinds)
+    dp, z = layout.shard_dp, layout.zero_stage  # ZeRO shards over SP x DP, experts over their replicas
+    # ZeRO-1/2: this rank's padded partition of each optimizer group (exact, tests/distributed/test_moe.py);
+    # ZeRO-3 (no experts): the plain share.
+    local = local_partition(model, layout, stage) if z in (1, 2) else params / dp
     terms = dict.fromkeys(TERMS, 0.0)
     terms["weights"] = params * a / (dp if z >= 3 else 1)
-    terms["gradients"] = params * a / (dp if z >= 2 else 1)
+    terms["gradients"] = (local if z >= 2 else params) * a
     # fp32: Adam m + v, and DeepSpeed's fp32 partition copy once ZeRO partitions the optimizer.
     state_bytes = 12 if (mixed or z >= 1) else 8
-    terms["optimizer_states"] = params * state_bytes / (dp if z >= 1 else 1)
+    terms["optimizer_states"] = (local if z >= 1 else params) * state_bytes
     if z == 3:
         kept = zero3_kept_parameters(params, ZERO3_MAX_REUSE_DISTANCE)
         terms["zero3_gathered"] = min(params, kept + 2 * model.layer_parameters(t)) * a
@@ -172,7 +200,7 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     if z >= 1:
         # The optimizer step runs after the activations are freed, so its transient only counts above them.
         in_backward = sum(terms[k] for k in ("activations", "embedding_activations", "logits", "zero3_gathered"))
-        terms["optimizer_step"] = max(0.0, OPTIMIZER_STEP_BYTES * params / dp - in_backward)
+        terms["optimizer_step"] = max(0.0, OPTIMIZER_STEP_BYTES * local - in_backward)
     terms["framework_overhead"] = float(overhead_bytes)
     return MemoryEstimate(terms=terms, stage=stage)
 

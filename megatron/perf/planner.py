@@ -31,6 +31,9 @@ class SearchSpace:
     """Restrict PP sizes (default: every divisor of GCDs / TP that splits the layers sensibly)."""
     ds_sequence_parallel_size: tuple[int, ...] = (1,)
     """DeepSpeed-Ulysses sizes to try (each must split the heads per TP rank and the sequence)."""
+    ep: tuple[int, ...] | None = None
+    """Expert-parallel sizes to try for a model with experts (default: every divisor of its expert counts); as the
+    trainer, such a model gets no pipeline, no ZeRO-3 and no Ulysses."""
 
 
 @dataclass
@@ -77,9 +80,13 @@ def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
         for pp in _divisors(gcds // tp):
             if space.pp is not None and pp not in space.pp:
                 continue
+            if model.moe.enabled and pp > 1:
+                continue  # the trainer refuses MoE layers on the pipeline engine
             if not pp_splits_sensibly(model.num_layers, pp, space.max_stage_imbalance):
                 continue
             for u in space.ds_sequence_parallel_size:
+                if u > 1 and model.moe.enabled:
+                    continue  # ... and Ulysses with experts
                 if u > 1 and ((gcds // (tp * pp)) % u or (model.num_attention_heads // tp) % u
                               or (model.num_key_value_heads // tp) % u or model.seq_length % u):
                     continue  # Ulysses: SP must split the heads per TP rank and the sequence
@@ -97,16 +104,29 @@ def _batch_layouts(model: ModelConfig, tp: int, pp: int, u: int, dp: int, global
         for zero in space.zero_stage:
             if (zero >= 2 and pp > 1) or (dp * u == 1 and zero != zero_without_dp):
                 continue  # DeepSpeed's pipeline engine takes ZeRO 0/1 only
+            if zero == 3 and model.moe.enabled:
+                continue  # DeepSpeed's ZeRO-3 does not shard experts: refused
             for rc in space.recompute_granularity:
                 for sp in space.sequence_parallel if tp > 1 else (False,):
                     if sp and u > 1 and model.seq_length % (u * tp):
                         continue
-                    out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                                      global_batch_size=global_batch_size, zero_stage=zero,
-                                      sequence_parallel=sp, recompute_granularity=rc,
-                                      flash_attention=space.flash_attention, dtype=space.dtype,
-                                      ds_sequence_parallel_size=u))
+                    for ep in _expert_parallel_sizes(model, dp * u, space):
+                        out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                                          global_batch_size=global_batch_size, zero_stage=zero,
+                                          sequence_parallel=sp, recompute_granularity=rc,
+                                          flash_attention=space.flash_attention, dtype=space.dtype,
+                                          ds_sequence_parallel_size=u, ep=ep))
     return out
+
+
+def _expert_parallel_sizes(model: ModelConfig, shard_dp: int, space: SearchSpace) -> list[int]:
+    """EP sizes for a layout of ``shard_dp`` data-parallel ranks: [1] for a dense model; else those of the space (or
+    every divisor of the expert counts) that divide the data-parallel size and every MoE layer's experts."""
+    counts = {n for n in model.layer_experts() if n > 1}
+    if not counts:
+        return [1]
+    tried = space.ep or _divisors(min(counts))
+    return [e for e in tried if shard_dp % e == 0 and all(n % e == 0 for n in counts)]
 
 
 def evaluate(model: ModelConfig, layout: Layout, capacity: float = GCD_MEMORY_BYTES) -> Candidate:

@@ -33,7 +33,7 @@ from megatron.errors import ConfigError
 from megatron.perf.comm import CommEstimate, estimate_comm
 from megatron.perf.flops import IterationFlops, forward_flops_per_token, iteration_flops
 from megatron.perf.layout import Layout
-from megatron.perf.memory import stage_parameters
+from megatron.perf.memory import local_partition, stage_parameters
 from megatron.topology import GCDS_PER_NODE
 
 PEAK_FLOPS = {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12}
@@ -147,7 +147,8 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
         comm = estimate_comm(model, layout, stage)
         comms[stage] = comm
         compute = stage_flops_per_microbatch(model, layout, stage) / (efficiency * peak)
-        tp = comm.seconds(groups=("tp", "sp")) / m  # TP collectives and Ulysses all-to-alls: inside every layer
+        # TP collectives, Ulysses' and the experts' all-to-alls: inside every layer, on the critical path
+        tp = comm.seconds(groups=("tp", "sp", "ep")) / m
         pp = comm.seconds(groups=("pp",)) / m
         t_mb = compute + tp + pp
         if best is None or t_mb > best[0]:
@@ -162,7 +163,9 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
         per_micro = sum(c.seconds for c in comm.collectives if c.group == "dp" and c.calls > 1)
         compute_all = m * stage_flops_per_microbatch(model, layout, stage) / (efficiency * peak)
         dp_exposed = max(dp_exposed, per_step + _exposed_overlapped(per_micro, compute_all))
-        local = stage_parameters(model, layout, stage) / (layout.shard_dp if layout.zero_stage >= 1 else 1)
+        z = layout.zero_stage
+        local = local_partition(model, layout, stage) if z in (1, 2) else \
+            stage_parameters(model, layout, stage) / (layout.shard_dp if z >= 1 else 1)
         optimizer = max(optimizer, local * ADAM_BYTES_PER_PARAM / (HBM_BW * OPTIMIZER_HBM_EFFICIENCY))
 
     flops = iteration_flops(model, layout.global_batch_size, model.padded_vocab_size(layout.tp),

@@ -26,7 +26,7 @@ def run_layout(run: RunConfig) -> Layout:
                   global_batch_size=t.global_batch_size, zero_stage=p.zero_stage,
                   sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
                   flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name,
-                  ds_sequence_parallel_size=p.sp)
+                  ds_sequence_parallel_size=p.sp, ep=p.ep if m.moe.enabled else 1)
 
 
 def sequence_parallel_links(run: RunConfig, ranks_per_node: int = GCDS_PER_NODE) -> str:

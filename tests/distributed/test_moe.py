@@ -11,6 +11,11 @@ parameter, for EP=4 and EP x TP=2 (experts whole, and split over TP), before any
 import pytest
 import torch
 
+from megatron.core import comm
+from megatron.perf.comm import estimate_comm
+from megatron.perf.layout import Layout
+from megatron.perf.memory import estimate_memory
+from tests.distributed.perf_probe import ObserverCounter
 from tests.launcher import run_distributed
 
 STEPS, GBS, MBS, SEQ, VOCAB, SEED = 3, 8, 2, 16, 120, 5
@@ -21,7 +26,7 @@ LAYOUTS = {
     "ep4 top2 sampling drop": (1, 4, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
     "ep2xtp2 expert-tp sp top1 no-drop": (2, 2, 0, True, dict(topk=1, moe_token_dropping=False,
                                                               enable_expert_tensor_parallelism=True), {}),
-    "ep2xtp2 top2 drop": (2, 2, 0, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
+    "ep2xtp2 zero1 top2 drop": (2, 2, 1, False, dict(topk=2, moe_train_capacity_factor=0.75), {}),
     # Full recompute: the gates run again in the backward (the same draws; no-drop's capacity all-reduce again).
     "ep2 zero1 top2 no-drop recompute": (1, 2, 1, False, dict(topk=2, moe_token_dropping=False),
                                          dict(recompute_granularity="full")),
@@ -68,6 +73,9 @@ def _train(name):
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, state.dp.rank, state.dp.size, "cpu")
     out = {"lm": [], "moe": [], "norm": []}
+    observer = ObserverCounter()  # our collectives (all-to-alls, TP), for the performance model
+    observer.active = True
+    remove = comm.add_observer(observer)
     for _ in range(STEPS):
         res = train_step(engine, data, run.training.grad_accumulation_steps(state.dp.size))
         both = torch.tensor([res.loss, res.moe_loss])
@@ -75,13 +83,29 @@ def _train(name):
         out["lm"].append(both[0].item() / state.dp.size)
         out["moe"].append(both[1].item() / state.dp.size)
         out["norm"].append(res.grad_norm)
+    remove()
+    out["comm"] = {"tp": observer.by_op(state.tp.ranks), "ep": observer.by_op(state.ep.ranks)}
+    out["params"] = sum(p.numel() for p in engine.module.parameters())
+    out["optimizer_bytes"] = _optimizer_state_bytes(engine.optimizer, zero)
     return out
+
+
+def _optimizer_state_bytes(optimizer, zero):
+    """Bytes of the optimizer's states on this rank: Adam's m and v and, under ZeRO-1/2, DeepSpeed's fp32 partitions
+    (the inner optimizer's parameters, padding included); the per-tensor ``step`` counters are left out."""
+    inner = getattr(optimizer, "optimizer", optimizer) if zero else optimizer
+    total = sum(t.numel() * t.element_size() for state in inner.state.values()
+                for key, t in state.items() if key in ("exp_avg", "exp_avg_sq"))
+    if zero:
+        total += sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
+    return total
 
 
 def _layer_gradients(tp_size, ep_size, sp, moe):
     """Every parameter's gradient of the model on this layout (each DP rank one micro-batch, reduced as DeepSpeed
     reduces: dense over DP, experts over their replicas, both divided by DP) against one process on all of them.
-    Returns the worst relative difference and the number of parameters compared."""
+    Returns the worst relative difference, the number of parameters compared and the bytes of our collectives over
+    the TP and EP groups in the parallel forward and backward."""
     import deepspeed.comm as dist
 
     from megatron.core import comm
@@ -101,7 +125,12 @@ def _layer_gradients(tp_size, ep_size, sp, moe):
     batches = [next(data) for _ in range(state.dp.size)]  # rank d's micro-batch is the d-th
     total = sum(gpt_forward_step(ref, b) + ref.take_moe_loss() for b in batches) / len(batches)
     total.backward()
+    observer = ObserverCounter()  # one micro-batch's forward and backward: the collectives of ours
+    observer.active = True
+    remove = comm.add_observer(observer)
     (gpt_forward_step(par, batches[state.dp.rank]) + par.take_moe_loss()).backward()
+    remove()
+    sent = {"tp": observer.by_op(state.tp.ranks), "ep": observer.by_op(state.ep.ranks)}
     ref_params = dict(ref.named_parameters())
     local = cfg.moe.num_experts[0] // ep_size
     worst, n = 0.0, 0
@@ -117,7 +146,7 @@ def _layer_gradients(tp_size, ep_size, sp, moe):
         worst = max(worst, ((grad - want).abs().max() / max(1.0, want.abs().max().item())).item())
         n += 1
     dist.barrier()
-    return worst, n
+    return worst, n, sent
 
 
 def tail_split(name):
@@ -138,7 +167,8 @@ def _worker(names):
 
 GRADIENT_CASES = {
     "grad ep4 top2 sampling": (1, 4, False, dict(topk=2, moe_train_capacity_factor=0.75)),
-    "grad ep2xtp2 top1 rts": (2, 2, False, dict(topk=1, moe_train_capacity_factor=0.75)),
+    # Whole experts on 1/TP of the slots each, a capacity of 5 (not divisible by TP: the padded buffer).
+    "grad ep2xtp2 top1 rts odd capacity": (2, 2, False, dict(topk=1, moe_train_capacity_factor=0.625)),
     "grad ep2xtp2 expert-tp sp residual": (2, 2, True, dict(topk=1, mlp_type="residual",
                                                             enable_expert_tensor_parallelism=True,
                                                             moe_train_capacity_factor=0.75)),
@@ -159,7 +189,48 @@ def test_moe_layouts_match_single_process():
                 for step, (a, b) in enumerate(zip(got[what], want, strict=True)):
                     assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {rank} {name} step {step} {what}: {a} vs {b}"
         for key in GRADIENT_CASES:
-            worst, n = res[key]
+            worst, n, _ = res[key]
             assert worst <= TOL and n > 20, f"rank {rank} {key}: gradients differ by {worst:.2e} ({n} parameters)"
+    _check_plan(results)
     for name, (lm, _, moe) in refs.items():  # the losses move (equality is not trivial); the balancing loss is there
         assert len(set(lm)) == STEPS and len(set(moe)) == STEPS and min(moe) > 0.05, (name, lm, moe)
+
+
+# Layouts whose capacity is fixed (token dropping): the planner's collectives are exact for them.
+COMM_CHECKED = ("ep4 top2 sampling drop", "ep2xtp2 zero1 top2 drop", "ep2 zero2 top1 residual drop")
+
+
+def _predicted(cfg, layout, steps):
+    """{"tp": {op: bytes}, "ep": {op: bytes}} of ``steps`` steps, megatron/perf/comm.py's model of rank 0."""
+    want = {"tp": {}, "ep": {}}
+    for c in estimate_comm(cfg, layout).collectives:
+        if c.group in want:
+            want[c.group][c.op] = want[c.group].get(c.op, 0) + c.payload_per_step * steps
+    return want
+
+
+def _check_plan(results):
+    """The performance model (megatron/perf) against every rank of every layout: parameter bytes and optimizer-state
+    bytes per rank exactly (ZeRO's padded partitions of the dense and expert groups), and, where the capacity is
+    fixed, the bytes of every collective of ours over the TP and EP groups, op by op, exactly (also for the gradient
+    cases: one micro-batch, the TP-split experts' and sequence parallelism's collectives)."""
+    for key, (tp, ep, sp, moe) in GRADIENT_CASES.items():
+        layout = Layout(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=MBS * 4 // tp, zero_stage=0,
+                        sequence_parallel=sp, dtype="fp32", ep=ep)
+        want = _predicted(_model(moe), layout, 1)
+        for rank, res in enumerate(results):
+            assert res[key][2] == want, (key, rank, res[key][2], want)
+    for name, (tp, ep, zero, sp, moe, model) in LAYOUTS.items():
+        cfg = _model(moe, **model)
+        layout = Layout(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero,
+                        sequence_parallel=sp, recompute_granularity=model.get("recompute_granularity"), dtype="fp32",
+                        ep=ep)
+        terms = estimate_memory(cfg, layout, overhead_bytes=0).terms
+        want = _predicted(cfg, layout, STEPS)
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert got["params"] * 4 == terms["weights"], (name, rank, got["params"] * 4, terms["weights"])
+            assert got["optimizer_bytes"] == terms["optimizer_states"], (name, rank, got["optimizer_bytes"],
+                                                                         terms["optimizer_states"])
+            if name in COMM_CHECKED:
+                assert got["comm"] == want, (name, rank, got["comm"], want)

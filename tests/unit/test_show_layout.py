@@ -145,3 +145,31 @@ def test_script_entry_point_exits_0():
                           capture_output=True, text=True, timeout=120, check=False, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert TOTAL_LINE.search(proc.stdout).group(2) == "fits"
+
+
+MOE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+       "--num-experts", "16", "--expert-interval", "2", "--topk", "2", "--zero-stage", "2", "--bf16"]
+
+
+def test_moe_dry_run_shows_ep_groups_and_warns_when_they_leave_the_node(capsys):
+    # 2 nodes, TP=2, EP=4: each EP group is 4 DP ranks of one TP rank, i.e. ranks 0,2,4,6 (inside node 0).
+    rc, out, _ = run(capsys, ["--nodes", "2", "--tensor-model-parallel-size", "2", "--moe-expert-parallel-size", "4",
+                              *MOE])
+    assert rc == 0
+    assert "EP: 4 groups of 4; tiers: 4 node; e.g. [0, 2, 4, 6]" in out
+    assert "EDP: 8 groups of 2; tiers: 8 network; e.g. [0, 8]" in out
+    assert " 6:t0p0d3e0.3 " in out and "10:t0p0d5e1.1" in out  # rank 6: EP group 0, EP rank 3; rank 10: group 1
+    assert "2 MoE layers of 16 experts (top-2, EP=4)" in out and "WARNING" not in out
+    model = show_layout.model_from_args(show_layout.build_parser().parse_args(MOE))
+    want = estimate_memory(model, Layout(tp=2, pp=1, dp=8, micro_batch_size=1, global_batch_size=8, zero_stage=2,
+                                         dtype="bf16", flash_attention=False, ep=4))
+    assert float(TERM_LINE.search(out).group(2)) == pytest.approx(want.terms["weights"] / GIB, abs=0.006)
+    # EP=8 with TP=2 spans 16 ranks: every EP group crosses the node boundary, in one line.
+    rc, out, _ = run(capsys, ["--nodes", "2", "--tensor-model-parallel-size", "2", "--moe-expert-parallel-size", "8",
+                              *MOE])
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert rc == 0 and warnings == ["  WARNING: 2 of 2 EP groups cross nodes: every MoE layer's token all-to-alls go "
+                                    "over Slingshot; use --moe-expert-parallel-size x --tensor-model-parallel-size "
+                                    "<= 8"], out
+    rc, _, err = run(capsys, ["--nodes", "2", "--moe-expert-parallel-size", "3", *MOE])
+    assert rc != 0 and "--moe-expert-parallel-size 3" in err

@@ -4,9 +4,10 @@
     split_capacity    fwd this TP rank's slice of dim 1             bwd all-gather dim 1 over TP
     gather_capacity   fwd all-gather dim 1 over TP                  bwd this TP rank's slice
 
-The buffer [E, C, h] is the same on every TP rank (the gate and the dispatch run on replicated tokens). With
---enable-expert-tensor-parallelism each TP rank sends only its 1/TP of the slots through the all-to-all (the TP
-experts gather them again inside, megatron/model/moe_experts.py), then the slots are gathered back for the combine.
+The buffer [E, C, h] is the same on every TP rank (the gate and the dispatch run on replicated tokens): each TP rank
+sends only its 1/TP of the slots through the all-to-all, as upstream's drop_tokens / gather_tokens, and its experts
+run on those (whole experts, or with --enable-expert-tensor-parallelism TP-split ones that gather them again inside,
+megatron/model/moe_experts.py); then the slots are gathered back for the combine.
 Collectives go through megatron.core.comm (device tensors only).
 """
 

@@ -73,3 +73,35 @@ def test_cli_process_exit_code():
                            "--gcds", "1024", "--global-batch-size", "7"], capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+SENT = re.compile(r"^sent per step by one GCD \(GB, by link tier\): package (\S+), node (\S+), network (\S+) \| "
+                  r"MoE all-to-alls: package (\S+), node (\S+), network (\S+)$", re.M)
+
+
+def test_moe_plan_counts_all_to_all_bytes_per_tier_and_searches_ep(capsys):
+    from megatron.perf.comm import estimate_comm
+    from megatron.perf.layout import Layout
+
+    moe = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+           "--num-experts", "16", "--topk", "2", "--nodes", "2", "--global-batch-size", "64"]
+    explicit = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "2",
+                "--zero-stage", "1"]
+    for ep, tier in ((4, "node"), (8, "network")):  # TP=2 x EP=4 fills a node; EP=8 leaves it
+        rc, lines, _ = run([*moe, *explicit, "--moe-expert-parallel-size", str(ep)], capsys)
+        assert rc == 0
+        text = "\n".join(lines)
+        assert f"(EP={ep})" in text and f"--moe-expert-parallel-size {ep}" in text
+        sent = [float(x) for x in SENT.search(text).groups()]
+        model = plan_parallelism.model_from_args(plan_parallelism.get_args(moe))
+        comm = estimate_comm(model, Layout(tp=2, pp=1, dp=8, micro_batch_size=2, global_batch_size=64, zero_stage=1,
+                                           ep=ep))
+        every = comm.wire_bytes_by_tier()
+        a2a = sum(c.wire_bytes for c in comm.collectives if c.group == "ep" and c.op == "all_to_all")
+        assert sent[:3] == pytest.approx([every[t] / 1e9 for t in ("package", "node", "network")], abs=6e-4)
+        assert sent[3:] == pytest.approx([a2a / 1e9 if t == tier else 0 for t in ("package", "node", "network")],
+                                         abs=6e-4) and a2a > 1e8
+    rc, lines, _ = run([*moe, "--top", "400"], capsys)  # the search: EP sizes, never a pipeline or ZeRO-3 with experts
+    rows = [line for line in lines if re.match(r"^\s+\d+ TP=", line)]
+    assert rc == 0 and rows and all(" PP=1 " in r and "ZeRO=3" not in r for r in rows)
+    assert {re.search(r"EP=(\d+)", r).group(1) for r in rows if "EP=" in r} >= {"2", "4", "8", "16"}
