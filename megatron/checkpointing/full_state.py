@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from megatron.checkpointing import experts, integrity
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
-from megatron.checkpointing import integrity
 from megatron.checkpointing.safe_io import safe_load
 from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.errors import CheckpointError
@@ -140,13 +140,16 @@ def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
 def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_layers: int, tp_size: int,
                     tp_rank: int, source: str) -> None:
     """Copy this rank's shard of every full tensor into ``module`` (GPTModel or a GPTModelPipe stage),
-    padding the vocabulary rows with zeros to the module's padded size. Call before deepspeed.initialize."""
+    padding the vocabulary rows with zeros to the module's padded size; experts by global index (this rank's EP
+    share). Call before deepspeed.initialize."""
 
+    offsets = experts.expert_offsets(module)
     with torch.no_grad():
         for n, p in module.named_parameters():
             name = canonical_name(n, num_layers)
             if name is None:
                 continue
+            name = experts.globalize(n, name, offsets)
             if name not in full:
                 raise CheckpointError(f"{source} has no tensor {name}: it was saved from a different model variant")
             p.copy_(shard_like(name, full[name], p, p.shape, tp_size, tp_rank, source).to(p.dtype))

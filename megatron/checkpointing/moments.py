@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from megatron.checkpointing import experts
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing.full_state import VOCAB_PARAMS, canonical_name, merge_tp, shard_like
 from megatron.checkpointing.safe_io import safe_load
@@ -134,7 +135,9 @@ def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int
         hzero_ckpt.set_full_moments(engine, moments, step,
                                     lambda name, shape, full: shard(name, shape, _param(engine, name), full))
         return "Adam moments loaded"
-    named = [(c, p) for n, p in engine.module.named_parameters() if (c := canonical_name(n, num_layers)) is not None]
+    offsets = experts.expert_offsets(engine.module)  # experts under their global index, as the full state keeps them
+    named = [(experts.globalize(n, c, offsets), p) for n, p in engine.module.named_parameters()
+             if (c := canonical_name(n, num_layers)) is not None]
     missing = [c for c, _ in named if c not in moments]
     if missing:
         raise CheckpointError(f"{source} has no Adam moments for {missing[0]}: saved from a different model variant")

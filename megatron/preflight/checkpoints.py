@@ -58,11 +58,9 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
     if target.kind == "empty":
         warn_once(missing_checkpoint_message(settings.load, False))  # a mistyped --load must not pass unnoticed
         return
-    if run.model.moe.enabled and (target.kind in ("upstream", "full_state") or settings.universal_checkpoint):
-        what = "a universal" if settings.universal_checkpoint else {"upstream": "an upstream",
-                                                                      "full_state": "a full-state"}[target.kind]
-        raise ConfigError(f"--load {settings.load}: loading {what} checkpoint into a model with experts "
-                          "(--num-experts) is not built yet; resume from this project's own MoE checkpoint")
+    if run.model.moe.enabled and settings.universal_checkpoint:
+        raise ConfigError(f"--load {settings.load}: loading a universal checkpoint into a model with experts "
+                          "(--num-experts) is not built; load upstream's global_stepN/ directory instead")
     if target.kind == "upstream":  # a Megatron-DeepSpeed global_stepN/ or Megatron iter_N/: checked there
         check_upstream(target.found, settings, run)
         return

@@ -1,0 +1,121 @@
+"""Upstream Megatron-DeepSpeed's DeepSpeed-MoE checkpoints (tests/fixtures/upstream_ckpt/moe_ep2, moe_pp2_ep2,
+written by upstream itself): read (per-expert files, expert Adam moments), resumed here at EP=2 and EP=1 with
+upstream's lm loss and MoE loss, converted to a full state, and written back in upstream's layout."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpointing.test_upstream_checkpoints import FIX, VOCAB, _flags, _recorded
+from tests.functional.cli import losses, run_pretrain
+
+_MOE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| moe loss: ([0-9.E+-]+)")
+# make_fixtures.sh's MOE flags in ours (on top of the dense fixtures' flags)
+MOE = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-experts", "4",
+       "--expert-interval", "2", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
+       "--moe-train-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--create-moe-param-group"]
+
+
+def _moe_model(ep_size: int = 1, ep_rank: int = 0):
+    from megatron.config import ModelConfig
+    from megatron.config.moe import MoEConfig
+    from megatron.core.parallel_state import GroupInfo, single_process_state
+    from megatron.model.gpt_model import GPTModel
+
+    moe = MoEConfig(num_experts=(4,), expert_interval=2, topk=2, moe_top2_2nd_expert_sampling=False,
+                    moe_train_capacity_factor=2.0, moe_loss_coeff=0.01)
+    cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=64,
+                      vocab_size=320, make_vocab_size_divisible_by=64, use_cpu_initialization=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=True, moe=moe)
+    st = single_process_state()
+    return GPTModel(cfg, tp=st.tp, ep=GroupInfo(list(range(ep_size)), ep_rank, None), init_seed=1), cfg
+
+
+def _losses_on(model, batches) -> tuple[float, float]:
+    """(lm loss, MoE loss) of ``model`` on ``batches``, averaged over them (one per DP rank: upstream's log)."""
+    from megatron.training.step import gpt_forward_step
+
+    model.train()  # upstream logs training losses: the train capacity factor (2, nothing dropped)
+    lm = moe = 0.0
+    with torch.no_grad():
+        for b in batches:
+            lm += gpt_forward_step(model, {"text": torch.tensor(b)}).item()
+            moe += model.take_moe_loss().item()
+    return lm / len(batches), moe / len(batches)
+
+
+def _rank_batches(layout: str, it: str) -> list:
+    """Every data-parallel rank's micro-batch of iteration ``it`` (the ranks that compute the loss)."""
+    rec = _recorded(layout)
+    per_rank = rec["resumed_micro_batches_per_rank"]
+    losing = rec["resumed_run"][it]["moe_loss_per_rank"]
+    return [mb for r, by_it in sorted(per_rank.items(), key=lambda kv: int(kv[0])) if r in losing
+            for mb in by_it[it]]
+
+
+@pytest.mark.parametrize("layout", ["moe_ep2", "moe_pp2_ep2"])
+def test_upstream_moe_checkpoint_reads_whole(layout):
+    """Both MoE layouts (without pipeline: experts beside the model file; DeepSpeed's pipeline engine: each stage's
+    module in its mp_rank file, per-expert files per stage) read into every parameter of our model, experts by
+    global index, with Adam moments of every parameter at upstream's step and its progress."""
+    from megatron.checkpointing import upstream
+
+    conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
+    assert (conv.iteration, conv.consumed_samples, conv.lr_num_steps, conv.optimizer_step) == (3, 12, 3, 3)
+    assert conv.layout["ep"] == 2 and conv.model["moe"]["num_experts"] == [4]
+    model, _ = _moe_model()
+    assert set(conv.weights) == {n for n, _ in model.named_parameters()}
+    assert len([n for n in conv.weights if ".deepspeed_experts." in n]) == 2 * 4 * 4  # 2 layers x 4 experts x 4
+    assert set(conv.moments) == set(conv.weights)
+    for name, t in conv.weights.items():
+        assert conv.moments[name]["exp_avg"].shape == t.shape, name
+
+
+def test_loaded_moe_weights_give_upstreams_losses_on_upstreams_batches():
+    """Upstream's MoE weights (its per-expert files, global expert order) in our one-process model score upstream's
+    iteration-4 micro-batches (each DP rank's) with upstream's lm loss (averaged over DP) and each rank's MoE loss."""
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.upstream import vocab_rows
+
+    conv = upstream.read(upstream.find(os.path.join(FIX, "moe_ep2")), trust=True)
+    model, cfg = _moe_model()
+    load_into_model(model, vocab_rows(conv, 320, cfg.padded_vocab_size(1)), 4, 1, 0, "moe_ep2")
+    rec = _recorded("moe_ep2")["resumed_run"]["4"]
+    per_rank = _rank_batches("moe_ep2", "4")
+    assert len(per_rank) == 2
+    lm, moe = _losses_on(model, per_rank)
+    assert lm == pytest.approx(rec["lm_loss"], abs=1e-5)
+    assert moe == pytest.approx(rec["moe_loss"], abs=1e-6)
+    for r, mb in enumerate(per_rank):
+        assert _losses_on(model, [mb])[1] == pytest.approx(rec["moe_loss_per_rank"][str(r)], abs=1e-6), r
+
+
+def test_upstream_expert_moments_sit_where_their_weights_do():
+    """The expert placement (local index on DP rank d -> global expert (d % EP) x local + i, partition over the
+    replicas) checked on DeepSpeed's own fp32 master partitions: read through the same placement they equal the
+    per-expert files' weights for every expert, so the moments (the same slices) land on the right experts."""
+    from megatron.checkpointing import experts, upstream
+    from megatron.checkpointing.safe_io import safe_load
+
+    path = os.path.join(FIX, "moe_ep2", "global_step3")
+    conv = upstream.read(upstream.find(os.path.join(FIX, "moe_ep2")), trust=True)
+    per_layer = experts.local_counts(conv.weights)
+    checked = 0
+    for dp in (0, 1):
+        osd = safe_load(os.path.join(path, f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+        for group, flat in zip(osd["param_slice_mappings"], osd["single_partition_of_fp32_groups"], strict=True):
+            for name, addr in group.items():
+                ours = upstream.names.our_name(name)
+                if experts.expert_index(ours) is None:
+                    continue
+                full, _ = experts.place(ours, dp, 2, per_layer)
+                got = flat[addr.start:addr.start + addr.numel]
+                assert torch.equal(got, conv.weights[full].reshape(-1)), (dp, name, full)
+                checked += 1
+    assert checked == 2 * 4 * 4
