@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from megatron.checkpointing.safe_io import safe_load
+
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
@@ -93,3 +95,11 @@ def place(name: str, dp_rank: int, ep_size: int, per_layer: dict[str, int]) -> t
         return name, dp_rank
     ep_rank, replica = ep_coords(dp_rank, ep_size)
     return to_global(name, ep_rank, per_layer[layer_key(name)] // ep_size), replica
+
+
+def counts_in_files(path: str) -> dict[str, int]:
+    """{layer prefix: experts} from the names inside a directory's per-expert files (global indices)."""
+    names = set()
+    for *_, f in expert_files(path):
+        names.update(safe_load(f, mmap=True).keys())
+    return local_counts(names)

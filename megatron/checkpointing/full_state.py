@@ -66,9 +66,6 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
 
 def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
-    if any(n > 1 for n in (meta["run"]["model"].get("moe") or {}).get("num_experts", [1])):
-        raise CheckpointError(f"{ckpt_dir} holds a model with experts (--num-experts): merging or resharding its "
-                              "per-expert files is not built yet; resume it at its own layout")
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]
         return [{canonical_name(k, nl): v for k, v in w.items()}
@@ -95,6 +92,8 @@ def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
         else:
             module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
         states[rank] = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
+    for _, _, mp, f in experts.expert_files(ckpt_dir):  # DeepSpeed's per-expert files: global expert indices
+        states[mp % tp].update({n: v for k, v in safe_load(f).items() if (n := canonical_name(k, nl)) is not None})
     return states
 
 
@@ -125,8 +124,9 @@ def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
     states = _tp_rank_states(ckpt_dir, meta)
     full = {}
     for name in states[0]:
-        if name in table:
-            dim, stride = table[name]
+        entry = table.get(name) or table.get(_local_zero(name))  # experts: the table names rank 0's (local) ones
+        if entry is not None:
+            dim, stride = entry
             full[name] = merge_tp([s[name] for s in states], dim, stride)
         else:
             full[name] = states[0][name]
@@ -135,6 +135,10 @@ def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
         if name in full:
             full[name] = full[name][:vocab]
     return {k: v.detach().clone().contiguous() for k, v in full.items()}
+
+
+def _local_zero(name: str) -> str | None:
+    return experts.with_expert(name, 0) if experts.expert_index(name) is not None else None
 
 
 def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_layers: int, tp_size: int,

@@ -10,7 +10,7 @@ import socket
 from megatron.checkpointing.full_state import FULL_STATE_META
 from megatron.checkpointing.locate import classify_load, missing_checkpoint_message, read_meta
 from megatron.checkpointing.space import low_space_warning
-from megatron.checkpointing.state import check_model_shape, check_resume, loads_optimizer
+from megatron.checkpointing.state import check_experts, check_model_shape, check_resume, loads_optimizer
 from megatron.checkpointing.upstream import check_upstream
 from megatron.checkpointing.verify import check_complete
 from megatron.config import CheckpointSettings, RunConfig
@@ -73,6 +73,7 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, target.path)
+        check_experts(meta.get("model", {}).get("moe") or {}, run.parallel.ep, run, target.path)
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
         if settings.verify != "off":

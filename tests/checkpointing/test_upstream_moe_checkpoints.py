@@ -119,3 +119,22 @@ def test_upstream_expert_moments_sit_where_their_weights_do():
                 assert torch.equal(got, conv.weights[full].reshape(-1)), (dp, name, full)
                 checked += 1
     assert checked == 2 * 4 * 4
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_resume_continues_upstreams_moe_run(tmp_path, ep):
+    """Acceptance (issue 34): --load of upstream's MoE global_step3 (DP=2, EP=2, ZeRO-1) goes on at iterations 4-6
+    with upstream's lm loss within 1e-4 and MoE loss within 1e-6, at upstream's EP=2 and at EP=1 (all experts
+    on every rank)."""
+    load = str(tmp_path / "moe_ep2")
+    shutil.copytree(os.path.join(FIX, "moe_ep2"), load)
+    args = _flags(str(tmp_path / "cache")) + MOE + ["--moe-expert-parallel-size", str(ep), "--load", load,
+                                                     "--trust-checkpoint"]
+    proc = run_pretrain(2, args, timeout=400)
+    assert "Adam moments loaded" in proc.stdout
+    got, moe = losses(proc.stdout), {int(m.group(1)): float(m.group(2)) for m in _MOE_LOSS.finditer(proc.stdout)}
+    rec = _recorded("moe_ep2")["resumed_run"]
+    assert sorted(got) == [4, 5, 6] and sorted(moe) == [4, 5, 6], proc.stdout[-2000:]
+    for it in (4, 5, 6):
+        assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
+        assert moe[it] == pytest.approx(rec[str(it)]["moe_loss"], abs=1e-6), (it, moe, rec)  # ~0.02: tighter
