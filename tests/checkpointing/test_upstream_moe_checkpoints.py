@@ -138,3 +138,84 @@ def test_resume_continues_upstreams_moe_run(tmp_path, ep):
     for it in (4, 5, 6):
         assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
         assert moe[it] == pytest.approx(rec[str(it)]["moe_loss"], abs=1e-6), (it, moe, rec)  # ~0.02: tighter
+
+
+def _nested_equal(ours, theirs, where: str) -> int:
+    """Key-by-key equality of two nested dicts of tensors (same keys at every level, equal tensors)."""
+    assert isinstance(ours, dict) and isinstance(theirs, dict), where
+    assert list(ours) == list(theirs), (where, list(ours), list(theirs))
+    n = 0
+    for k, v in theirs.items():
+        if isinstance(v, dict):
+            n += _nested_equal(ours[k], v, f"{where}.{k}")
+        else:
+            assert torch.is_tensor(ours[k]) and ours[k].dtype == v.dtype and torch.equal(ours[k], v), f"{where}.{k}"
+            n += 1
+    return n
+
+
+def _fields_equal(ours, theirs, where: str) -> None:
+    """Equality of DeepSpeed's file contents: tensors exactly, containers item by item, objects by their fields."""
+    if torch.is_tensor(theirs):
+        assert torch.is_tensor(ours) and ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and list(ours) == list(theirs), (where, list(ours), list(theirs))
+        for k in theirs:
+            _fields_equal(ours[k], theirs[k], f"{where}.{k}")
+    elif isinstance(theirs, (list, tuple)) and not hasattr(theirs, "_fields"):
+        assert isinstance(ours, (list, tuple)) and len(ours) == len(theirs), (where, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _fields_equal(a, b, f"{where}[{i}]")
+    elif hasattr(theirs, "__dict__") and not isinstance(theirs, type):
+        assert type(ours) is type(theirs) and vars(ours) == vars(theirs), (where, ours, theirs)
+    else:
+        assert ours == theirs and type(ours) is type(theirs), (where, ours, theirs)
+
+
+def test_writer_reproduces_upstreams_moe_files(tmp_path):
+    """Round trip without upstream: its moe_ep2 checkpoint read into our names (QKV reordered, experts by global
+    index, moments merged over DP and the experts' replicas) and written back by upstream/writer.py gives upstream's
+    own files key by key: the nested ``module`` (order, names, values), every per-expert file, the fields upstream's
+    loader reads, and both DP ranks' ZeRO-1 files (fp32 partitions, Adam state, param groups, slice mappings)."""
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.upstream.writer import write_upstream
+
+    src = os.path.join(FIX, "moe_ep2", "global_step3")
+    found = upstream.find(os.path.join(FIX, "moe_ep2"))
+    conv = upstream.read(found, trust=True)
+    a = upstream.first_args(found, True)
+    their_state = upstream.load_file(os.path.join(src, "mp_rank_00_model_states.pt"), True)
+    out = str(tmp_path / "up")
+    progress = {"iteration": conv.iteration, "consumed_samples": conv.consumed_samples,
+                "lr_scheduler": their_state["lr_scheduler"]}
+    hyper = {"betas": (a["adam_beta1"], a["adam_beta2"]), "eps": a["adam_eps"], "weight_decay": a["weight_decay"],
+             "clip_grad": a["clip_grad"], "zero_stage": a["zero_stage"], "ds_config": their_state["ds_config"]}
+    step = write_upstream(out, conv.weights, conv.model, progress, tp=1, dp=2, ep=2,
+                          padded_vocab=conv.padded_vocab_size, run_flags=a, moments=conv.moments,
+                          optimizer_step=conv.optimizer_step, hyper=hyper)
+    assert sorted(os.listdir(step)) == sorted(os.listdir(src))
+    ours_state = upstream.load_file(os.path.join(step, "mp_rank_00_model_states.pt"), True)
+    # embeddings 2, dense layers 2 x 12, MoE layers 2 x (8 without the MLP + the gate), final norm 2
+    assert _nested_equal(ours_state["module"], their_state["module"], "module") == 2 + 2 * 12 + 2 * 9 + 2
+    for key in ("iteration", "num_experts", "dp_world_size", "mp_world_size", "global_steps", "global_samples",
+                "checkpoint_version", "tokens", "lr_scheduler", "ds_config", "param_shapes"):
+        _fields_equal(ours_state[key], their_state[key], key)
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "consumed_train_samples", "num_experts", "expert_interval",
+                "moe_expert_parallel_size"):
+        assert getattr(ours_state["args"], key) == getattr(their_state["args"], key), key
+    for f in (f for f in os.listdir(src) if f.startswith("layer_")):
+        got, want = (upstream.load_file(os.path.join(d, f), True) for d in (step, src))
+        assert _nested_equal(got, want, f) == 4
+    for d in (0, 1):
+        f = f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt"
+        got, want = (upstream.load_file(os.path.join(x, f), True) for x in (step, src))
+        _fields_equal(got, want, f)
+    assert open(os.path.join(out, "latest")).read() == "global_step3"
+    assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read() == "3"
+    # And back: our reader reads the written files to the same weights and moments.
+    again = upstream.read(upstream.find(out), trust=True)
+    assert set(again.weights) == set(conv.weights) and set(again.moments) == set(conv.moments)
+    assert all(torch.equal(again.weights[k], v) for k, v in conv.weights.items())
+    assert all(torch.equal(again.moments[n][k], v) for n, m in conv.moments.items() for k, v in m.items())
