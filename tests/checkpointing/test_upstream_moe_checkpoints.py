@@ -4,6 +4,7 @@ upstream's lm loss and MoE loss, converted to a full state, and written back in 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -96,6 +97,26 @@ def test_loaded_moe_weights_give_upstreams_losses_on_upstreams_batches():
         assert _losses_on(model, [mb])[1] == pytest.approx(rec["moe_loss_per_rank"][str(r)], abs=1e-6), r
 
 
+def test_converter_writes_upstreams_moe_run_as_a_full_state(tmp_path):
+    """tools/convert_megatron_checkpoint.py on upstream's MoE checkpoint: a full state with every expert (global
+    index) and its moments, which scores upstream's iteration-4 batches with upstream's losses in one process."""
+    import tools.convert_megatron_checkpoint as tool
+    from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+
+    out = str(tmp_path / "full")
+    assert tool.main(["--load", os.path.join(FIX, "moe_ep2"), "--save", out, "--trust-checkpoint",
+                      "--vocab-file", VOCAB]) == 0
+    full, meta = read_full_state(out)
+    assert meta["model"]["moe"]["num_experts"] == [4] and (meta["iteration"], meta["consumed_samples"]) == (3, 12)
+    moments, step = read_full_moments(out)
+    assert step == 3 and set(moments) == set(full)
+    model, _ = _moe_model()
+    load_into_model(model, full, 4, 1, 0, out)
+    rec = _recorded("moe_ep2")["resumed_run"]["4"]
+    lm, moe = _losses_on(model, _rank_batches("moe_ep2", "4"))
+    assert lm == pytest.approx(rec["lm_loss"], abs=1e-5) and moe == pytest.approx(rec["moe_loss"], abs=1e-6)
+
+
 def test_upstream_expert_moments_sit_where_their_weights_do():
     """The expert placement (local index on DP rank d -> global expert (d % EP) x local + i, partition over the
     replicas) checked on DeepSpeed's own fp32 master partitions: read through the same placement they equal the
@@ -125,19 +146,50 @@ def test_upstream_expert_moments_sit_where_their_weights_do():
 def test_resume_continues_upstreams_moe_run(tmp_path, ep):
     """Acceptance (issue 34): --load of upstream's MoE global_step3 (DP=2, EP=2, ZeRO-1) goes on at iterations 4-6
     with upstream's lm loss within 1e-4 and MoE loss within 1e-6, at upstream's EP=2 and at EP=1 (all experts
-    on every rank)."""
+    on every rank). At EP=2 the run goes on to 9 and saves global_step6: tools/convert_to_upstream.py writes it in
+    upstream's layout, which reads back to our own checkpoint's weights and moments; upstream itself resumed that
+    conversion (moe_ep2/ours_back.json, recorded by make_fixtures.sh) with the losses this run logs at 7-9."""
     load = str(tmp_path / "moe_ep2")
     shutil.copytree(os.path.join(FIX, "moe_ep2"), load)
     args = _flags(str(tmp_path / "cache")) + MOE + ["--moe-expert-parallel-size", str(ep), "--load", load,
                                                      "--trust-checkpoint"]
+    if ep == 2:
+        args += ["--train-iters", "9", "--save", load, "--save-interval", "6"]
     proc = run_pretrain(2, args, timeout=400)
     assert "Adam moments loaded" in proc.stdout
     got, moe = losses(proc.stdout), {int(m.group(1)): float(m.group(2)) for m in _MOE_LOSS.finditer(proc.stdout)}
     rec = _recorded("moe_ep2")["resumed_run"]
-    assert sorted(got) == [4, 5, 6] and sorted(moe) == [4, 5, 6], proc.stdout[-2000:]
+    assert sorted(got)[:3] == [4, 5, 6] and sorted(moe)[:3] == [4, 5, 6], proc.stdout[-2000:]
     for it in (4, 5, 6):
         assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
         assert moe[it] == pytest.approx(rec[str(it)]["moe_loss"], abs=1e-6), (it, moe, rec)  # ~0.02: tighter
+    if ep == 2:
+        _check_ours_goes_back(tmp_path, load, got, moe)
+
+
+def _check_ours_goes_back(tmp_path, load: str, got: dict, moe: dict) -> None:
+    import tools.convert_to_upstream as tool
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.convert import read_any, read_moments
+
+    with open(os.path.join(FIX, "moe_ep2", "ours_back.json")) as f:
+        back = json.load(f)["upstream_on_ours"]
+    for it in (7, 8, 9):  # upstream, resumed from the conversion of this very checkpoint, logged these
+        assert got[it] == pytest.approx(back[str(it)]["lm_loss"], abs=1e-5), (it, got, back)
+        assert moe[it] == pytest.approx(back[str(it)]["moe_loss"], abs=1e-6), (it, moe, back)
+    out = str(tmp_path / "to_upstream")
+    assert tool.main(["--load", load, "--tag", "global_step6", "--save", out]) == 0
+    assert sorted(f for f in os.listdir(os.path.join(out, "global_step6")) if "optim" in f) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    conv = upstream.read(upstream.find(out), trust=True)
+    full, _, progress = read_any(load, "global_step6")
+    moments, step, _ = read_moments(load, "global_step6")
+    assert (conv.iteration, conv.consumed_samples, conv.optimizer_step, step) == (6, 24, 6, 6)
+    assert set(conv.weights) == set(full) and set(conv.moments) == set(moments)
+    for n, t in full.items():
+        assert torch.equal(conv.weights[n], t), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(conv.moments[n][k], moments[n][k]), (n, k)
 
 
 def _nested_equal(ours, theirs, where: str) -> int:
