@@ -47,3 +47,19 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
     assert sorted(moved["losses"]) == [3], moved
     assert moved["losses"][3] == pytest.approx(straight["losses"][3], abs=1e-5), (moved, straight)
     assert moved["moe_losses"][3] == pytest.approx(straight["moe_losses"][3], abs=1e-6), (moved, straight)
+
+    # The integrity manifest covers every expert file: a flipped byte in one is named before any conversion.
+    from megatron.checkpointing import integrity
+    from megatron.errors import CheckpointError
+
+    step2 = os.path.join(save, "global_step2")
+    listed = integrity.read_manifest(step2)
+    assert {f for f in files if "_expert_" in f} <= set(listed), sorted(listed)
+    victim = os.path.join(step2, "layer_1_expert_3_mp_rank_00_model_states.pt")
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="layer_1_expert_3_mp_rank_00_model_states.pt"):
+        reshard.main(["--load", save, "--save", str(tmp_path / "full2")])
