@@ -143,7 +143,7 @@ def test_upstream_expert_moments_sit_where_their_weights_do():
 
 
 @pytest.mark.parametrize("ep", [2, 1])
-def test_resume_continues_upstreams_moe_run(tmp_path, ep):
+def test_resume_continues_upstreams_moe_run(tmp_path, ep, monkeypatch, capsys):
     """Acceptance (issue 34): --load of upstream's MoE global_step3 (DP=2, EP=2, ZeRO-1) goes on at iterations 4-6
     with upstream's lm loss within 1e-4 and MoE loss within 1e-6, at upstream's EP=2 and at EP=1 (all experts
     on every rank). At EP=2 the run goes on to 9 and saves global_step6: tools/convert_to_upstream.py writes it in
@@ -165,6 +165,12 @@ def test_resume_continues_upstreams_moe_run(tmp_path, ep):
         assert moe[it] == pytest.approx(rec[str(it)]["moe_loss"], abs=1e-6), (it, moe, rec)  # ~0.02: tighter
     if ep == 2:
         _check_ours_goes_back(tmp_path, load, got, moe)
+        # Our own MoE checkpoint (ZeRO partitions follow EP) at another EP: one line naming the resharding tool.
+        from tests.unit.test_moe_config import _run
+
+        rc, err = _run(args[:args.index("--moe-expert-parallel-size")] + ["--moe-expert-parallel-size", "1",
+                                                                          "--load", load], monkeypatch, capsys, 2)
+        assert rc == 2 and "tools/reshard_checkpoint.py" in err and len(err.splitlines()) == 1, err
 
 
 def _check_ours_goes_back(tmp_path, load: str, got: dict, moe: dict) -> None:
@@ -271,3 +277,23 @@ def test_writer_reproduces_upstreams_moe_files(tmp_path):
     assert set(again.weights) == set(conv.weights) and set(again.moments) == set(conv.moments)
     assert all(torch.equal(again.weights[k], v) for k, v in conv.weights.items())
     assert all(torch.equal(again.moments[n][k], v) for n, m in conv.moments.items() for k, v in m.items())
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--num-experts", "2"], ["--num-experts ([4] in the checkpoint, [2] now)"]),  # other tensors: refused
+    (["--expert-interval", "1"], ["--expert-interval (2 in the checkpoint, 1 now)"]),
+    (["--universal-checkpoint"], ["universal checkpoint", "experts", "global_stepN"]),
+])
+def test_moe_load_mismatches_are_one_line(tmp_path, extra, needles, monkeypatch, capsys):
+    """What still cannot load into a model with experts is refused in one line before any process group."""
+    from tests.unit.test_moe_config import _run
+
+    load = str(tmp_path / "moe_ep2")
+    shutil.copytree(os.path.join(FIX, "moe_ep2"), load)
+    if "--universal-checkpoint" in extra:
+        load = os.path.join(FIX, "universal_tp2")
+    argv = _flags(str(tmp_path / "cache")) + MOE + ["--load", load, "--trust-checkpoint"] + extra
+    rc, err = _run(argv, monkeypatch, capsys, 2)
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for n in needles:
+        assert n in err, f"{n!r} missing from {err!r}"
