@@ -187,6 +187,7 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
         iteration=int(first.get("iteration", found.iteration)),
         consumed_samples=int(a.get("consumed_train_samples", 0)),
         lr_num_steps=int(sched.get("num_steps", 0)) // gbs if sched else int(first.get("iteration", 0)),
-        layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)), "zero_stage": 0},
+        layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)), "zero_stage": 0,
+                "ep": fields["moe"]["ep"]},
         optimizer_note="a plain Megatron optimizer keeps no parameter names: Adam restarts",
         rng_states=[list(s.get("rng_state") or []) for _, s in sorted(states.items())])
