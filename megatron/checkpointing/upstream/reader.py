@@ -85,9 +85,12 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
     roles: dict[int, str] = {}
     if expert_files and pp > 1:  # DeepSpeed's pipeline engine with MoE: each stage's module in its mp_rank file
         roles, modules = _pipe_moe_roles(states, path, mp_files)
-        for rank, module in modules.items():
-            per_tp[rank % tp].update({n: v for k, v in module.items()
-                                      if (n := pipe_name(k, roles)) is not None and torch.is_tensor(v)})
+        for rank, module in sorted(modules.items()):
+            for k, v in module.items():
+                # the tied embedding sits on the first and last stage: the first stage's is the one trained
+                # (the last stage's position embeddings are a stale copy)
+                if (n := pipe_name(k, roles)) is not None and torch.is_tensor(v):
+                    per_tp[rank % tp].setdefault(n, v)
     elif layer_files:  # DeepSpeed's pipeline engine (upstream's default under --deepspeed, even at PP=1)
         roles = pipe_roles(layer_files)
         for f in layer_files:
