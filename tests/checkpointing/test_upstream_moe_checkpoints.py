@@ -98,28 +98,75 @@ def test_loaded_moe_weights_give_upstreams_losses_on_upstreams_batches(layout):
             assert _losses_on(model, [mb])[1] == pytest.approx(rec["moe_loss_per_rank"][str(r)], abs=1e-6), r
 
 
-@pytest.mark.parametrize("ep", [2, 1])
-def test_resume_continues_upstreams_moe_run(tmp_path, ep, monkeypatch, capsys):
+def test_converter_writes_upstreams_moe_run_as_a_full_state(tmp_path):
+    """tools/convert_megatron_checkpoint.py on upstream's MoE checkpoint: a full state with every expert (global
+    index) and its moments, which scores upstream's iteration-4 batches with upstream's losses in one process."""
+    import tools.convert_megatron_checkpoint as tool
+    from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+
+    out = str(tmp_path / "full")
+    assert tool.main(["--load", os.path.join(FIX, "moe_ep2"), "--save", out, "--trust-checkpoint",
+                      "--vocab-file", VOCAB]) == 0
+    full, meta = read_full_state(out)
+    assert meta["model"]["moe"]["num_experts"] == [4] and (meta["iteration"], meta["consumed_samples"]) == (3, 12)
+    moments, step = read_full_moments(out)
+    assert step == 3 and set(moments) == set(full)
+    model, _ = _moe_model()
+    load_into_model(model, full, 4, 1, 0, out)
+    rec = _recorded("moe_ep2")["resumed_run"]["4"]
+    lm, moe = _losses_on(model, _rank_batches("moe_ep2", "4"))
+    assert lm == pytest.approx(rec["lm_loss"], abs=1e-5) and moe == pytest.approx(rec["moe_loss"], abs=1e-6)
+
+
+def test_upstream_expert_moments_sit_where_their_weights_do():
+    """The expert placement (local index on DP rank d -> global expert (d % EP) x local + i, partition over the
+    replicas) checked on DeepSpeed's own fp32 master partitions: read through the same placement they equal the
+    per-expert files' weights for every expert, so the moments (the same slices) land on the right experts."""
+    from megatron.checkpointing import experts, upstream
+    from megatron.checkpointing.safe_io import safe_load
+
+    path = os.path.join(FIX, "moe_ep2", "global_step3")
+    conv = upstream.read(upstream.find(os.path.join(FIX, "moe_ep2")), trust=True)
+    per_layer = experts.local_counts(conv.weights)
+    checked = 0
+    for dp in (0, 1):
+        osd = safe_load(os.path.join(path, f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+        for group, flat in zip(osd["param_slice_mappings"], osd["single_partition_of_fp32_groups"], strict=True):
+            for name, addr in group.items():
+                ours = upstream.names.our_name(name)
+                if experts.expert_index(ours) is None:
+                    continue
+                full, _ = experts.place(ours, dp, 2, per_layer)
+                got = flat[addr.start:addr.start + addr.numel]
+                assert torch.equal(got, conv.weights[full].reshape(-1)), (dp, name, full)
+                checked += 1
+    assert checked == 2 * 4 * 4
+
+
+@pytest.mark.parametrize("layout, ep", [("moe_ep2", 2), ("moe_ep2", 1), ("moe_pp2_ep2", 2)])
+def test_resume_continues_upstreams_moe_run(tmp_path, layout, ep, monkeypatch, capsys):
     """Acceptance (issue 34): --load of upstream's MoE global_step3 (DP=2, EP=2, ZeRO-1) goes on at iterations 4-6
     with upstream's lm loss within 1e-4 and MoE loss within 1e-6, at upstream's EP=2 and at EP=1 (all experts
-    on every rank). At EP=2 the run goes on to 9 and saves global_step6: tools/convert_to_upstream.py writes it in
-    upstream's layout, which reads back to our own checkpoint's weights and moments; upstream itself resumed that
-    conversion (moe_ep2/ours_back.json, recorded by make_fixtures.sh) with the losses this run logs at 7-9."""
-    load = str(tmp_path / "moe_ep2")
-    shutil.copytree(os.path.join(FIX, "moe_ep2"), load)
+    on every rank), and so does upstream's pipeline-engine run (PP=2) resumed here without a pipeline. From moe_ep2
+    at EP=2 the run goes on to 9 and saves global_step6: tools/convert_to_upstream.py writes it in upstream's
+    layout, which reads back to our own checkpoint's weights and moments; upstream itself resumed that conversion
+    (moe_ep2/ours_back.json, recorded by make_fixtures.sh) with the losses this run logs at 7-9."""
+    load = str(tmp_path / layout)
+    shutil.copytree(os.path.join(FIX, layout), load)
     args = _flags(str(tmp_path / "cache")) + MOE + ["--moe-expert-parallel-size", str(ep), "--load", load,
                                                      "--trust-checkpoint"]
-    if ep == 2:
+    back = (layout, ep) == ("moe_ep2", 2)
+    if back:
         args += ["--train-iters", "9", "--save", load, "--save-interval", "6"]
     proc = run_pretrain(2, args, timeout=400)
     assert "Adam moments loaded" in proc.stdout
     got, moe = losses(proc.stdout), {int(m.group(1)): float(m.group(2)) for m in _MOE_LOSS.finditer(proc.stdout)}
-    rec = _recorded("moe_ep2")["resumed_run"]
+    rec = _recorded(layout)["resumed_run"]
     assert sorted(got)[:3] == [4, 5, 6] and sorted(moe)[:3] == [4, 5, 6], proc.stdout[-2000:]
     for it in (4, 5, 6):
         assert got[it] == pytest.approx(rec[str(it)]["lm_loss"], abs=1e-4), (it, got, rec)
         assert moe[it] == pytest.approx(rec[str(it)]["moe_loss"], abs=1e-6), (it, moe, rec)  # ~0.02: tighter
-    if ep == 2:
+    if back:
         _check_ours_goes_back(tmp_path, load, got, moe)
         # Our own MoE checkpoint (ZeRO partitions follow EP) at another EP: one line naming the resharding tool.
         from tests.unit.test_moe_config import _run
