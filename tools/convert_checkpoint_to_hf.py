@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--merge-file", default=None)
     p.add_argument("--tokenizer-model", default=None)
     args = p.parse_args(argv)
-    full, model, progress = read_any(args.load, args.tag, with_experts=True)
+    full, model, progress = read_any(args.load, args.tag)
     special = special_ids_of_checkpoint(args.load, args.tag, vars(args))
     config = write_hf(args.out, full, model, special)
     for note in match_notes(model) if has_experts(model) else []:

@@ -33,6 +33,7 @@ from megatron.checkpointing.locate import LATEST, classify_load, read_meta
 from megatron.checkpointing.moments import load_moments
 from megatron.checkpointing.state import (
     Resume,
+    check_experts,
     check_model_shape,
     check_resume,
     loads_optimizer,
@@ -172,6 +173,7 @@ def load_full_state(model, run: RunConfig, pstate: ParallelState, settings: Chec
     verify.verify_collective(settings.load, settings.verify, _say)  # before a byte of it reaches the model
     full, meta = read_full_state(settings.load)
     check_model_shape(meta["model"], run, settings.load)
+    check_experts(meta["model"].get("moe") or {}, run.parallel.ep, run, settings.load)  # experts merged: any EP
     load_into_model(model, full, run.model.num_layers, pstate.tp.size, pstate.tp.rank, settings.load)
     if settings.finetune:
         return Resume(0, 0, settings.load)

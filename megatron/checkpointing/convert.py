@@ -25,11 +25,9 @@ from megatron.checkpointing.verify import require_whole
 from megatron.errors import CheckpointError
 
 
-def read_any(path: str, tag: str | None = None, with_experts: bool = False) -> tuple[dict[str, torch.Tensor], dict,
-                                                                                    dict]:
+def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(full state, model config fields, progress {iteration, consumed_samples, lr_num_steps}) of a
-    ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory.
-    ``with_experts``: a model with experts too, its experts merged from their per-expert files (for an HF export)."""
+    ``--save`` directory (its ``latest`` tag unless ``tag``), one tag directory, or a full-state directory."""
     if is_full_state(path):
         require_whole(path)
         full, meta = read_full_state(path)
@@ -48,7 +46,7 @@ def read_any(path: str, tag: str | None = None, with_experts: bool = False) -> t
                 "lr_num_steps": meta.get("lr_num_steps", meta["iteration"])}
     if meta.get("lr_scheduler"):
         progress["lr_scheduler"] = meta["lr_scheduler"]
-    return merge_checkpoint(ckpt_dir, meta, with_experts), meta["run"]["model"], progress
+    return merge_checkpoint(ckpt_dir, meta), meta["run"]["model"], progress
 
 
 def write_full_state(out_dir: str, full: dict[str, torch.Tensor], model: dict, progress: dict, source: str,

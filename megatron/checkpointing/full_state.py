@@ -22,11 +22,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from megatron.checkpointing import experts, integrity
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
-from megatron.checkpointing import integrity
-from megatron.checkpointing.expert_files import partition_name, read_expert_files
 from megatron.checkpointing.safe_io import safe_load
-from megatron.config.moe import MoEConfig
 from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.errors import CheckpointError
 
@@ -66,16 +64,8 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
     return torch.cat([torch.cat([b[k] for b in blocks], dim=dim) for k in range(stride)], dim=dim)
 
 
-def _tp_rank_states(ckpt_dir: str, meta: dict, with_experts: bool = False) -> list[dict[str, torch.Tensor]]:
-    """One canonical state dict per TP rank (each still TP-sharded, vocab padded). ``with_experts``: a model with
-    experts is read too, its experts from their per-expert files under global ids (for an HF export; its optimizer
-    states are not merged, so a full state for --load is still refused)."""
-    moe = meta["run"]["model"].get("moe") or {}
-    if any(n > 1 for n in moe.get("num_experts", [1])):
-        if not with_experts:
-            raise CheckpointError(f"{ckpt_dir} holds a model with experts (--num-experts): merging or resharding its "
-                                  "per-expert files is not built yet; resume it at its own layout")
-        return _with_expert_files(ckpt_dir, meta, MoEConfig(**{**moe, "num_experts": tuple(moe["num_experts"])}))
+def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
+    """One canonical state dict per TP rank (each still TP-sharded, vocab padded)."""
     if meta.get("format") == hzero_ckpt.FORMAT:  # per-rank shard files of hierarchical ZeRO, no DeepSpeed layout
         nl = meta["run"]["model"]["num_layers"]
         return [{canonical_name(k, nl): v for k, v in w.items()}
@@ -85,6 +75,9 @@ def _tp_rank_states(ckpt_dir: str, meta: dict, with_experts: bool = False) -> li
     nl = meta["run"]["model"]["num_layers"]
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     if pp > 1:
+        if experts.expert_files(ckpt_dir):  # per-stage expert files: another layout
+            raise CheckpointError(f"{ckpt_dir} holds a model with experts saved with pipeline parallelism: merging "
+                                  "its expert files is built for PP=1 only; resume it at its own layout")
         files = sorted(glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")))
         if not files:
             raise CheckpointError(f"checkpoint {ckpt_dir} has no pipeline layer files (layer_*-model_states.pt)")
@@ -102,22 +95,8 @@ def _tp_rank_states(ckpt_dir: str, meta: dict, with_experts: bool = False) -> li
         else:
             module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
         states[rank] = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
-    return states
-
-
-def _with_expert_files(ckpt_dir: str, meta: dict, moe: MoEConfig) -> list[dict[str, torch.Tensor]]:
-    """A checkpoint with experts (PP=1, ZeRO-0/1/2, as MoE runs): the dense part from mp_rank_XX_model_states.pt
-    (DeepSpeed leaves the experts out of it), the experts from their own files."""
-    nl, tp = meta["run"]["model"]["num_layers"], meta["run"]["parallel"]["tensor_model_parallel_size"]
-    if meta["run"]["parallel"]["pipeline_model_parallel_size"] > 1:  # per-stage expert files: another layout
-        raise CheckpointError(f"{ckpt_dir} holds a model with experts saved with pipeline parallelism: merging its "
-                              "expert files is built for PP=1 only")
-    experts = read_expert_files(ckpt_dir, tp, moe.experts_per_layer(nl), lambda k: canonical_name(k, nl))
-    states = []
-    for rank in range(tp):
-        module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
-        dense = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
-        states.append({**dense, **experts[rank]})
+    for _, _, mp, f in experts.expert_files(ckpt_dir):  # DeepSpeed's per-expert files: global expert indices
+        states[mp % tp].update({n: v for k, v in safe_load(f).items() if (n := canonical_name(k, nl)) is not None})
     return states
 
 
@@ -139,18 +118,18 @@ def _zero3_module(ckpt_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t")
 
 
-def merge_checkpoint(ckpt_dir: str, meta: dict, with_experts: bool = False) -> dict[str, torch.Tensor]:
-    """The full model of a DeepSpeed checkpoint directory (``DIR/global_stepN``), vocab unpadded; ``with_experts``:
-    a model with experts too, every expert under its global id (see _tp_rank_states)."""
+def merge_checkpoint(ckpt_dir: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The full model of a DeepSpeed checkpoint directory (``DIR/global_stepN``), vocab unpadded."""
     table = meta.get("partition_table")
     if table is None:
         raise CheckpointError(f"checkpoint file {os.path.join(ckpt_dir, 'megatron_meta.json')} has no partition "
                               "table: not written by megatron/checkpointing")
-    states = _tp_rank_states(ckpt_dir, meta, with_experts)
+    states = _tp_rank_states(ckpt_dir, meta)
     full = {}
     for name in states[0]:
-        if partition_name(name) in table:
-            dim, stride = table[partition_name(name)]
+        entry = table.get(name) or table.get(_local_zero(name))  # experts: the table names rank 0's (local) ones
+        if entry is not None:
+            dim, stride = entry
             full[name] = merge_tp([s[name] for s in states], dim, stride)
         else:
             full[name] = states[0][name]
@@ -161,16 +140,23 @@ def merge_checkpoint(ckpt_dir: str, meta: dict, with_experts: bool = False) -> d
     return {k: v.detach().clone().contiguous() for k, v in full.items()}
 
 
+def _local_zero(name: str) -> str | None:
+    return experts.with_expert(name, 0) if experts.expert_index(name) is not None else None
+
+
 def load_into_model(module: torch.nn.Module, full: dict[str, torch.Tensor], num_layers: int, tp_size: int,
                     tp_rank: int, source: str) -> None:
     """Copy this rank's shard of every full tensor into ``module`` (GPTModel or a GPTModelPipe stage),
-    padding the vocabulary rows with zeros to the module's padded size. Call before deepspeed.initialize."""
+    padding the vocabulary rows with zeros to the module's padded size; experts by global index (this rank's EP
+    share). Call before deepspeed.initialize."""
 
+    offsets = experts.expert_offsets(module)
     with torch.no_grad():
         for n, p in module.named_parameters():
             name = canonical_name(n, num_layers)
             if name is None:
                 continue
+            name = experts.globalize(n, name, offsets)
             if name not in full:
                 raise CheckpointError(f"{source} has no tensor {name}: it was saved from a different model variant")
             p.copy_(shard_like(name, full[name], p, p.shape, tp_size, tp_rank, source).to(p.dtype))

@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from megatron.checkpointing import experts
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing.full_state import VOCAB_PARAMS, canonical_name, merge_tp, shard_like
 from megatron.checkpointing.safe_io import safe_load
@@ -41,7 +42,7 @@ def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
             _, per_tp, step = hzero_ckpt.merged_tp_states(ckpt_dir, meta, with_moments=True)
             per_tp = [{canonical_name(k, nl): v for k, v in m.items()} for m in per_tp]
         elif glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")) and p["zero_stage"] < 3:
-            per_tp, step = _zero12(ckpt_dir, tp, nl)
+            per_tp, step = _zero12(ckpt_dir, tp, nl, p.get("moe_expert_parallel_size", 1))
         elif p["zero_stage"] == 0 and p["pipeline_model_parallel_size"] == 1:
             per_tp, step = _zero0(ckpt_dir, tp, nl)
         else:
@@ -54,18 +55,22 @@ def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
     out: Moments = {}
     for name in per_tp[0]:
         out[name] = {}
+        entry = table.get(name) or (table.get(experts.with_expert(name, 0)) if experts.expert_index(name) is not None
+                                    else None)
         for k in KEYS:
             shards = [m[name][k] for m in per_tp]
-            full = merge_tp(shards, *table[name]) if name in table else shards[0]
+            full = merge_tp(shards, *entry) if entry else shards[0]
             out[name][k] = (full[:vocab] if name in VOCAB_PARAMS else full).contiguous()
     return out, step, ""
 
 
-def _zero12(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
+def _zero12(ckpt_dir: str, tp: int, nl: int, ep: int = 1) -> tuple[list[Moments], int]:
     """DeepSpeed ZeRO-1/2 (fp32 or its bf16 optimizer): every DP rank's file holds a slice of each parameter's
     moments; concatenated in DP order they are the flattened parameter (model-parallel rank = stage x TP + tp)."""
     pieces: dict[tuple[int, str], dict[int, dict[int, dict]]] = {}  # (tp, name) -> mp -> dp -> {key: slice}
     shapes: list[dict[str, torch.Size]] = [{} for _ in range(tp)]
+    shape_of: dict[tuple[int, str], str] = {}  # experts: global name -> the local name the shapes carry
+    per_layer = experts.counts_in_files(ckpt_dir)
     step = 0
     for path in sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))):
         m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", path)
@@ -83,7 +88,9 @@ def _zero12(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
             for name, addr in group.items():
                 c = canonical_name(name, nl)
                 if c is not None:
-                    pieces.setdefault((mp % tp, c), {}).setdefault(mp, {})[dp] = {
+                    full, part = experts.place(c, dp, ep, per_layer)  # experts: their replica's partition
+                    shape_of[(mp % tp, full)] = c
+                    pieces.setdefault((mp % tp, full), {}).setdefault(mp, {})[part] = {
                         k: state[k][addr.start:addr.start + addr.numel] for k in KEYS}
         model_file = os.path.join(ckpt_dir, f"mp_rank_{mp:02d}_model_states.pt")
         for group in safe_load(model_file, mmap=True).get("param_shapes") or []:
@@ -93,7 +100,8 @@ def _zero12(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
     per_tp: list[Moments] = [{} for _ in range(tp)]
     for (t, name), by_mp in pieces.items():
         by_dp = by_mp[min(by_mp)]  # a tied weight sits on two stages with equal moments: take the first
-        per_tp[t][name] = {k: torch.cat([by_dp[d][k] for d in sorted(by_dp)]).view(shapes[t][name]) for k in KEYS}
+        per_tp[t][name] = {k: torch.cat([by_dp[d][k] for d in sorted(by_dp)]).view(shapes[t][shape_of[(t, name)]])
+                           for k in KEYS}
     return per_tp, step
 
 
@@ -134,7 +142,9 @@ def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int
         hzero_ckpt.set_full_moments(engine, moments, step,
                                     lambda name, shape, full: shard(name, shape, _param(engine, name), full))
         return "Adam moments loaded"
-    named = [(c, p) for n, p in engine.module.named_parameters() if (c := canonical_name(n, num_layers)) is not None]
+    offsets = experts.expert_offsets(engine.module)  # experts under their global index, as the full state keeps them
+    named = [(experts.globalize(n, c, offsets), p) for n, p in engine.module.named_parameters()
+             if (c := canonical_name(n, num_layers)) is not None]
     missing = [c for c, _ in named if c not in moments]
     if missing:
         raise CheckpointError(f"{source} has no Adam moments for {missing[0]}: saved from a different model variant")

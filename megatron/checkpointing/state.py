@@ -118,8 +118,8 @@ _MOE_FIELDS = {"num_experts": "--num-experts", "expert_interval": "--expert-inte
 
 def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) -> None:
     """Refuse a checkpoint whose experts are laid out otherwise: other MoE layers, counts, PR-MoE or expert TP (its
-    per-expert files hold other tensors), or, for a model with experts, another expert-parallel size (resharding over
-    EP is not built yet)."""
+    per-expert files hold other tensors), or, for a model with experts, another expert-parallel size (the ZeRO
+    partitions of the experts follow it: resharding goes through a full state, tools/reshard_checkpoint.py)."""
     now = dataclasses.asdict(run.model.moe)
     default = dataclasses.asdict(type(run.model.moe)())
     changed = [f"{flag} ({_shown(saved_moe.get(k, default[k]))} in the checkpoint, {_shown(now[k])} now)"
@@ -129,7 +129,8 @@ def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) ->
                           "checkpoint's values for these flags")
     if run.model.moe.enabled and saved_ep != run.parallel.ep:
         raise ConfigError(f"--load {where}: saved with --moe-expert-parallel-size {saved_ep}, now {run.parallel.ep}: "
-                          "keep the expert-parallel size (resharding a checkpoint over EP is not built yet)")
+                          "keep the expert-parallel size, or convert it first: python tools/reshard_checkpoint.py "
+                          f"--load {where} --save NEW_DIR and --load NEW_DIR")
 
 
 def _shown(v):

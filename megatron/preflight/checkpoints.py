@@ -10,7 +10,7 @@ import socket
 from megatron.checkpointing.full_state import FULL_STATE_META
 from megatron.checkpointing.locate import classify_load, missing_checkpoint_message, read_meta
 from megatron.checkpointing.space import low_space_warning
-from megatron.checkpointing.state import check_model_shape, check_resume, loads_optimizer
+from megatron.checkpointing.state import check_experts, check_model_shape, check_resume, loads_optimizer
 from megatron.checkpointing.upstream import check_upstream
 from megatron.checkpointing.verify import check_complete
 from megatron.config import CheckpointSettings, RunConfig
@@ -58,11 +58,9 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
     if target.kind == "empty":
         warn_once(missing_checkpoint_message(settings.load, False))  # a mistyped --load must not pass unnoticed
         return
-    if run.model.moe.enabled and (target.kind in ("upstream", "full_state") or settings.universal_checkpoint):
-        what = "a universal" if settings.universal_checkpoint else {"upstream": "an upstream",
-                                                                      "full_state": "a full-state"}[target.kind]
-        raise ConfigError(f"--load {settings.load}: loading {what} checkpoint into a model with experts "
-                          "(--num-experts) is not built yet; resume from this project's own MoE checkpoint")
+    if run.model.moe.enabled and settings.universal_checkpoint:
+        raise ConfigError(f"--load {settings.load}: loading a universal checkpoint into a model with experts "
+                          "(--num-experts) is not built; load upstream's global_stepN/ directory instead")
     if target.kind == "upstream":  # a Megatron-DeepSpeed global_stepN/ or Megatron iter_N/: checked there
         check_upstream(target.found, settings, run)
         return
@@ -75,6 +73,7 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, target.path)
+        check_experts(meta.get("model", {}).get("moe") or {}, run.parallel.ep, run, target.path)
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
         if settings.verify != "off":

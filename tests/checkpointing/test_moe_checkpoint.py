@@ -1,5 +1,6 @@
-"""A model with experts through pretrain_gpt.py on EP=2 with ZeRO-2: the log's lm and MoE losses, and an exact resume
-from DeepSpeed's per-expert checkpoint files (weights, the experts' ZeRO optimizer partitions, RNG)."""
+"""A model with experts through pretrain_gpt.py on EP=2 with ZeRO-2: the log's lm and MoE losses, an exact resume
+from DeepSpeed's per-expert checkpoint files (weights, the experts' ZeRO optimizer partitions, RNG), and the same
+checkpoint resharded over EP through a full state (tools/reshard_checkpoint.py) going on at EP=1."""
 
 import os
 
@@ -9,7 +10,8 @@ from tests.checkpointing.common import BASE, pretrain_on
 
 ARGS = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "2", "--train-iters", "3",
                "--num-experts", "4", "--expert-interval", "1", "--moe-expert-parallel-size", "2", "--topk", "2",
-               "--moe-train-capacity-factor", "0.75", "--micro-batch-size", "2", "--moe-min-capacity", "2"]
+               "--moe-train-capacity-factor", "0.75", "--micro-batch-size", "2", "--moe-min-capacity", "2",
+               "--vocab-size", "256"]  # no padded vocabulary rows: a full state drops them (exact resharding)
 
 
 @pytest.mark.timeout(400)
@@ -26,3 +28,38 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
     assert resumed["losses"] == {3: straight["losses"][3]}, (resumed, straight)
     assert resumed["moe_losses"] == {3: straight["moe_losses"][3]}, (resumed, straight)
     assert len(set(straight["losses"].values())) == 3 and min(straight["moe_losses"].values()) > 0.05, straight
+
+    # Resharded over EP: the experts merged by global index (weights and ZeRO-2 Adam moments) into a full state,
+    # loaded at EP=1 (every rank all 4 experts): iteration 3 as the straight EP=2 run. The gate sees the same
+    # tokens on each DP rank whatever EP is, so only the order of float sums may differ.
+    import tools.reshard_checkpoint as reshard
+    from megatron.checkpointing.full_state import read_full_moments, read_full_state
+
+    full = str(tmp_path / "full")
+    assert reshard.main(["--load", save, "--save", full]) == 0
+    weights, _ = read_full_state(full)
+    moments, step = read_full_moments(full)
+    experts = sorted(n for n in weights if ".deepspeed_experts." in n)
+    assert len(experts) == 2 * 4 * 4 and set(moments) == set(weights) and step == 2, (len(experts), step)
+    at_ep1 = list(ARGS)
+    at_ep1[at_ep1.index("--moe-expert-parallel-size") + 1] = "1"
+    moved = pretrain_on(2, at_ep1 + ["--load", full])
+    assert sorted(moved["losses"]) == [3], moved
+    assert moved["losses"][3] == pytest.approx(straight["losses"][3], abs=1e-5), (moved, straight)
+    assert moved["moe_losses"][3] == pytest.approx(straight["moe_losses"][3], abs=1e-6), (moved, straight)
+
+    # The integrity manifest covers every expert file: a flipped byte in one is named before any conversion.
+    from megatron.checkpointing import integrity
+    from megatron.errors import CheckpointError
+
+    step2 = os.path.join(save, "global_step2")
+    listed = integrity.read_manifest(step2)
+    assert {f for f in files if "_expert_" in f} <= set(listed), sorted(listed)
+    victim = os.path.join(step2, "layer_1_expert_3_mp_rank_00_model_states.pt")
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="layer_1_expert_3_mp_rank_00_model_states.pt"):
+        reshard.main(["--load", save, "--save", str(tmp_path / "full2")])

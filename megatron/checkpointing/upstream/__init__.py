@@ -4,7 +4,8 @@ resumed at any layout.
 layout.py recognises the directories (markers, file names) and holds the records; unpickle.py loads their files
 (pickled Python objects only with ``--trust-checkpoint``); names.py maps upstream's parameter names, fused-QKV order
 and TP splits to ours; moments.py reads the Adam moments; universal.py DeepSpeed's universal form; reader.py reads a
-whole checkpoint; resume.py checks one against a run (preflight) and loads this rank's shard of it.
+whole checkpoint (DeepSpeed-MoE per-expert files too, ../experts.py); resume.py checks one against a run (preflight)
+and loads this rank's shard of it. writer.py / writer_zero.py write a full state back in upstream's layout.
 """
 
 from megatron.checkpointing.upstream.layout import (

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from megatron.checkpointing import experts
 from megatron.checkpointing.safe_io import safe_load
 from megatron.checkpointing.upstream.names import flatten, merge_ranks, our_name, pipe_name
 
@@ -41,14 +42,18 @@ def zero0_moments(states: dict, tp: int, fields: dict, path: str):
     return moments, step, "Adam moments loaded"
 
 
-def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, param_shapes: dict[int, list]):
+def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, param_shapes: dict[int, list],
+                   per_layer: dict[str, int] | None = None):
     """Adam moments from DeepSpeed ZeRO-1/2 optimizer files (each DP rank's flat fp32 partition, mapped to
-    parameters by ``param_slice_mappings``), merged over DP, PP and TP."""
+    parameters by ``param_slice_mappings``), merged over DP, PP and TP. Experts (``per_layer``: experts of each MoE
+    layer) sit in the files under their local index, partitioned over their replicas: placed by experts.place."""
     files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
     if not files:
         return None, 0, "no ZeRO optimizer files (ZeRO-0 under upstream keeps no per-parameter map): Adam restarts"
     pieces: dict[tuple[int, str], dict[int, dict[int, dict]]] = {}
     shapes: dict[tuple[int, str], torch.Size] = {}
+    shape_of: dict[tuple[int, str], str] = {}  # a global expert name -> its local name in the shapes (same shape)
+    ep = (fields.get("moe") or {}).get("ep", 1)
     step, pp_files = 0, bool(roles)
     for f in files:
         m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", f)
@@ -65,10 +70,13 @@ def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, para
                 return None, 0, "the optimizer had not stepped yet"
             step = int(state["step"])
             for name, addr in group.items():
-                ours = pipe_name(name, roles) if pp_files else our_name(name)
-                if ours is not None:
-                    pieces.setdefault((t, ours), {}).setdefault(mp, {})[dp] = {
-                        k: state[k][addr.start:addr.start + addr.numel] for k in ("exp_avg", "exp_avg_sq")}
+                local = pipe_name(name, roles) if pp_files else our_name(name)
+                if local is None:
+                    continue
+                ours, part = experts.place(local, dp, ep, per_layer or {})
+                shape_of[(t, ours)] = local
+                pieces.setdefault((t, ours), {}).setdefault(mp, {})[part] = {
+                    k: state[k][addr.start:addr.start + addr.numel] for k in ("exp_avg", "exp_avg_sq")}
         for group in param_shapes.get(mp, []):
             for name, shape in group.items():
                 ours = pipe_name(name, roles) if pp_files else our_name(name)
@@ -77,7 +85,7 @@ def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, para
     per_tp: list[dict] = [{} for _ in range(tp)]
     for (t, name), by_mp in pieces.items():
         by_dp = by_mp[min(by_mp)]  # the tied embedding sits on the first and last stage with equal moments
-        per_tp[t][name] = {k: torch.cat([by_dp[d][k] for d in sorted(by_dp)]).view(shapes[(t, name)])
+        per_tp[t][name] = {k: torch.cat([by_dp[d][k] for d in sorted(by_dp)]).view(shapes[(t, shape_of[(t, name)])])
                            for k in ("exp_avg", "exp_avg_sq")}
     moments = {}
     for k in ("exp_avg", "exp_avg_sq"):

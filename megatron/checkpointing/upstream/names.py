@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from megatron.checkpointing.experts import expert_index
 from megatron.checkpointing.full_state import VOCAB_PARAMS, merge_tp
 from megatron.checkpointing.safe_io import safe_load
 from megatron.checkpointing.upstream.layout import LAYER_FILE
@@ -104,16 +105,15 @@ def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
 
 # Upstream variants this trainer does not implement: resuming them here would silently compute something else.
 _UNSUPPORTED = {"squared_relu": "--squared-relu", "apply_residual_connection_post_layernorm":
-                "--apply-residual-connection-post-layernorm", "num_experts": "--num-experts (MoE)",
-                "rotary_percent": "--rotary-percent below 1"}
+                "--apply-residual-connection-post-layernorm", "rotary_percent": "--rotary-percent below 1",
+                "num_experts_switch": "--num-experts-switch (Megatron-LM's switch MLP)"}
 
 
 def model_fields(a: dict) -> dict:
     """Upstream's flags under our ModelConfig names (only those that decide shapes and arithmetic)."""
     for key, flag in _UNSUPPORTED.items():
         v = a.get(key)
-        bad = (v not in (None, 1.0)) if key == "rotary_percent" else \
-            any(n > 1 for n in (v if isinstance(v, (list, tuple)) else [v or 1])) if key == "num_experts" else bool(v)
+        bad = (v not in (None, 1.0)) if key == "rotary_percent" else bool(v)
         if bad:
             raise CheckpointError(f"upstream checkpoint trained with {flag} ({v}): this trainer has no such model; "
                                   "it cannot be resumed or converted here")
@@ -129,7 +129,22 @@ def model_fields(a: dict) -> dict:
         "learned_absolute", "untie_embeddings_and_output_weights": bool(a.get("untie_embeddings_and_output_weights")),
         "add_bias_linear": bool(a.get("add_bias_linear", True)),
         "layernorm_epsilon": float(a.get("layernorm_epsilon", 1e-5)),
+        "moe": moe_fields(a),
     }
+
+
+def moe_fields(a: dict) -> dict:
+    """Upstream's DeepSpeed-MoE flags under our MoEConfig names (the ones that decide which tensors exist), and
+    its expert-parallel size (``ep``; the experts are read whole, so any EP here can resume them)."""
+    n = a.get("num_experts") or [1]
+    n = list(n) if isinstance(n, (list, tuple)) else [int(n)]
+    if any(k > 1 for k in n) and a.get("mlp_type", "standard") != "standard":
+        raise CheckpointError(f"upstream checkpoint trained with --mlp-type {a.get('mlp_type')} (PR-MoE): reading "
+                              "its residual MLP is not built; only standard MoE layers are read")
+    return {"num_experts": n, "expert_interval": int(a.get("expert_interval", 2)),
+            "mlp_type": a.get("mlp_type", "standard"),
+            "enable_expert_tensor_parallelism": bool(a.get("enable_expert_tensor_parallelism", False)),
+            "ep": int(a.get("moe_expert_parallel_size", 1))}
 
 
 def qkv_to_ours(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -166,8 +181,10 @@ def merge_ranks(per_tp: list[dict[str, torch.Tensor]], fields: dict) -> dict[str
     """Our full tensors from upstream's per-TP-rank ones: QKV rows permuted on each rank, then merged over TP."""
     full = {}
     local = local_heads(fields, len(per_tp))
+    expert_tp = (fields.get("moe") or {}).get("enable_expert_tensor_parallelism", False)
     for name in per_tp[0]:
-        split = tp_split(name, fields["swiglu"])
+        # upstream's experts are whole on every TP rank unless --enable-expert-tensor-parallelism (as ours)
+        split = None if expert_index(name) is not None and not expert_tp else tp_split(name, fields["swiglu"])
         shards = [qkv_to_ours(s[name], *local) if "query_key_value" in name else s[name] for s in per_tp]
         full[name] = merge_tp(shards, *split) if split else shards[0]
     return {k: v.detach().float().clone().contiguous() if v.is_floating_point() else v.clone()

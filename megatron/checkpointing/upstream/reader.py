@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from megatron.checkpointing import experts
 from megatron.checkpointing.safe_io import safe_load
 from megatron.checkpointing.upstream import universal as universal_form
 from megatron.checkpointing.upstream.layout import (
@@ -20,7 +21,15 @@ from megatron.checkpointing.upstream.layout import (
     find_marked,
 )
 from megatron.checkpointing.upstream.moments import zero0_moments, zero12_moments
-from megatron.checkpointing.upstream.names import flatten, merge_ranks, model_fields, our_name, pipe_name, pipe_roles
+from megatron.checkpointing.upstream.names import (
+    flatten,
+    merge_ranks,
+    model_fields,
+    our_name,
+    pipe_name,
+    pipe_roles,
+    roles_from_keys,
+)
 from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
 
@@ -71,9 +80,18 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
     tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
     fields = model_fields(a)
     layer_files = sorted(glob.glob(os.path.join(path, "layer_*-model_*-model_states.pt")))
+    expert_files = experts.expert_files(path)
     per_tp: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     roles: dict[int, str] = {}
-    if layer_files:  # DeepSpeed's pipeline engine (upstream's default under --deepspeed, even at PP=1)
+    if expert_files and pp > 1:  # DeepSpeed's pipeline engine with MoE: each stage's module in its mp_rank file
+        roles, modules = _pipe_moe_roles(states, path, mp_files)
+        for rank, module in sorted(modules.items()):
+            for k, v in module.items():
+                # the tied embedding sits on the first and last stage: the first stage's is the one trained
+                # (the last stage's position embeddings are a stale copy)
+                if (n := pipe_name(k, roles)) is not None and torch.is_tensor(v):
+                    per_tp[rank % tp].setdefault(n, v)
+    elif layer_files:  # DeepSpeed's pipeline engine (upstream's default under --deepspeed, even at PP=1)
         roles = pipe_roles(layer_files)
         for f in layer_files:
             m = LAYER_FILE.match(os.path.basename(f))
@@ -91,8 +109,15 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             if not isinstance(module, dict):
                 raise CheckpointError(f"checkpoint file {os.path.join(path, fname)} holds no 'module' weights")
             # state_dict_for_save_checkpoint nests {language_model: {embedding: .., encoder: ..}}: flatten it
+            # DeepSpeed 0.19.8 leaves upstream's lifted "encoderlayers.N...experts..." copies of this rank's experts
+            # in the model file: the per-expert files hold them all (our_name skips these names)
             per_tp[rank] = {n: v for k, v in flatten(module).items()
                             if (n := our_name(k)) is not None and torch.is_tensor(v)}
+    for _, _, mp, f in expert_files:  # DeepSpeed's per-expert files: names carry the global expert index
+        for k, v in safe_load(f).items():
+            n = pipe_name(k, roles) if roles else our_name(k)
+            if n is not None and torch.is_tensor(v):
+                per_tp[mp % tp][n] = v
     weights = merge_ranks(per_tp, fields)
     sched = first.get("lr_scheduler") or {}
     gbs = int(a["global_batch_size"])
@@ -102,14 +127,31 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
         consumed_samples=int(a.get("consumed_train_samples", 0)),
         lr_num_steps=int(sched.get("num_steps", 0)) // gbs if sched else int(first.get("iteration", 0)),
         layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)),
-                "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0},
+                "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0, "ep": fields["moe"]["ep"]},
         rng_states=[list(states[r].get("rng_state") or []) for r, _ in mp_files])
     if with_optimizer and not layer_files and not glob.glob(os.path.join(path, "*_optim_states.pt")):
         out.moments, out.optimizer_step, out.optimizer_note = zero0_moments(states, tp, fields, path)
     elif with_optimizer:
         shapes = {r: s.get("param_shapes") or [] for r, s in states.items()}
-        out.moments, out.optimizer_step, out.optimizer_note = zero12_moments(path, tp, roles, fields, shapes)
+        out.moments, out.optimizer_step, out.optimizer_note = zero12_moments(
+            path, tp, roles, fields, shapes, experts.local_counts(weights))
     return out
+
+
+def _pipe_moe_roles(states: dict, path: str, mp_files) -> tuple[dict[int, str], dict[int, dict]]:
+    """(pipeline layer index -> role, {model-parallel rank: module}) of a pipeline-engine MoE checkpoint, whose
+    mp_rank files hold each stage's engine-level module (``2.self_attention...``, ``tied_modules.embed...``)."""
+    modules, keys = {}, {}
+    for rank, fname in mp_files:
+        module = states[rank].get("module")
+        if not isinstance(module, dict):
+            raise CheckpointError(f"checkpoint file {os.path.join(path, fname)} holds no 'module' weights")
+        modules[rank] = module
+        for k in module:
+            idx, _, rest = k.partition(".")
+            if idx.isdigit():
+                keys.setdefault(int(idx), set()).add(rest)
+    return roles_from_keys(keys), modules
 
 
 def _read_megatron(found: Found, trust: bool) -> Converted:
@@ -148,6 +190,7 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
         iteration=int(first.get("iteration", found.iteration)),
         consumed_samples=int(a.get("consumed_train_samples", 0)),
         lr_num_steps=int(sched.get("num_steps", 0)) // gbs if sched else int(first.get("iteration", 0)),
-        layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)), "zero_stage": 0},
+        layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)), "zero_stage": 0,
+                "ep": fields["moe"]["ep"]},
         optimizer_note="a plain Megatron optimizer keeps no parameter names: Adam restarts",
         rng_states=[list(s.get("rng_state") or []) for _, s in sorted(states.items())])

@@ -15,7 +15,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.checkpointing.full_state import VOCAB_PARAMS, load_into_model
-from megatron.checkpointing.state import Resume, check_model_shape
+from megatron.checkpointing.state import Resume, check_experts, check_model_shape
 from megatron.checkpointing.upstream.layout import Converted, Found, describe
 from megatron.checkpointing.upstream.reader import header, read
 from megatron.errors import CheckpointError
@@ -29,6 +29,7 @@ def check_upstream(found: Found, settings, run) -> None:
 
 def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
     check_model_shape(fields, run, where)
+    check_experts(fields["moe"], run.parallel.ep, run, where)  # the experts are read whole: any EP resumes them
     if fields["layernorm_epsilon"] != run.model.layernorm_epsilon:
         raise CheckpointError(f"--load {where}: upstream trained with --layernorm-epsilon {fields['layernorm_epsilon']}"
                               f", this run has {run.model.layernorm_epsilon}: pass the checkpoint's value")

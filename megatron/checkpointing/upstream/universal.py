@@ -117,7 +117,7 @@ def read(found: Found, trust: bool, with_optimizer: bool) -> Converted:
         consumed_samples=int(a.get("consumed_train_samples", 0)),
         lr_num_steps=int(sched.get("num_steps", 0)) // gbs if sched else int(first.get("iteration", 0)),
         layout={"tp": tp, "pp": pp, "dp": int(a.get("data_parallel_size", 1)),
-                "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0},
+                "zero_stage": int(a.get("zero_stage", 0)) if a.get("deepspeed") else 0, "ep": fields["moe"]["ep"]},
         moments=moments, optimizer_step=step if moments else 0,
         optimizer_note=note if with_optimizer else "",
         rng_states=[list(states[r].get("rng_state") or []) for r, _ in mp_files])
