@@ -72,8 +72,6 @@ class RunConfig:
             raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
                               "the same number of experts; use a multiple of it")
         refused = (
-            (p.pp > 1, f"--pipeline-model-parallel-size {p.pp}: MoE layers on DeepSpeed's pipeline engine are not "
-                       "built yet (the load-balancing loss would have to travel between the stages); use PP 1"),
             (p.sp > 1, f"--ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a sequence, another "
                        "capacity than one process's; use --sequence-parallel (Megatron's) or SP 1"),
             (bool(p.zero_hierarchy), "--zero-hierarchy: hierarchical ZeRO reduces every gradient over the whole "
