@@ -190,10 +190,10 @@ def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", 
             raise ConfigError(
                 f"--num-layers {cfg.num_layers} cannot fill --pipeline-model-parallel-size {pp} stages: every stage "
                 f"needs a transformer layer; use --num-layers >= {pp} (a multiple of {pp} balances the stages)")
-        base, extra = divmod(cfg.num_layers, pp)
-        parts = [0, 1 + base + (1 if extra else 0)]
+        counts = cfg.stage_layer_counts(pp)
+        parts = [0, 1 + counts[0]]
         for stage in range(1, pp):
-            parts.append(parts[-1] + base + (1 if stage < extra else 0))
+            parts.append(parts[-1] + counts[stage])
         parts[-1] = n_specs  # norm + output join the last stage
         return parts
     if method == "parameters":

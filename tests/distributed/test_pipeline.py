@@ -40,7 +40,7 @@ def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False, ep=1):
 
     moe = MOE_VARIANTS.get(variant)
     name, untie = VARIANTS[variant] if moe is None else ("debug", False)
-    extra = {} if moe is None else {"moe": MoEConfig(num_experts=(4,), expert_interval=2, **moe)}
+    extra = {} if moe is None else {"moe": MoEConfig(**{"num_experts": (4,), "expert_interval": 2, **moe})}
     model = named_model(name, num_layers=4, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                         seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
                         untie_embeddings_and_output_weights=untie, recompute_granularity=recompute, **extra)
