@@ -29,7 +29,7 @@ def _stage(w: torch.Tensor, x: torch.Tensor, moe_in: torch.Tensor):
 
 
 def _engine_backward(outputs, grads):
-    """DeepSpeed 0.19's PipelineEngine._exec_backward_pass for a tuple: float outputs in order, retain_graph but last."""
+    """DeepSpeed 0.19 PipelineEngine._exec_backward_pass on a tuple: float outputs in order, retain_graph but last."""
     floats = [t for t in outputs if t.is_floating_point()]
     for i, (out, grad) in enumerate(zip(floats, grads, strict=True)):
         out.backward(gradient=grad, retain_graph=i < len(floats) - 1)
