@@ -31,7 +31,7 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
 PIPE = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--train-iters", "3",
                "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-interval", "1",
                "--moe-expert-parallel-size", "2", "--topk", "1", "--moe-train-capacity-factor", "0.75",
-               "--moe-min-capacity", "2", "--global-batch-size", "8"]
+               "--moe-min-capacity", "2", "--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1"]
 
 
 @pytest.mark.timeout(400)
@@ -55,3 +55,5 @@ def test_ep2_pp2_resumes_exactly_from_the_pipelines_files(tmp_path):
     assert resumed["losses"] == {3: straight["losses"][3]}, (resumed, straight)
     assert resumed["moe_losses"] == {3: straight["moe_losses"][3]}, (resumed, straight)
     assert len(set(straight["losses"].values())) == 3 and min(straight["moe_losses"].values()) > 0.05, straight
+    # Evaluation on the pipeline (the lm loss alone, tests/unit/test_moe_pipe.py) resumes exactly too.
+    assert 2 in straight["valid_losses"] and resumed["final_eval"] == straight["final_eval"], (resumed, straight)

@@ -73,3 +73,24 @@ def test_first_stage_extras_and_evaluation_pass_through():
     with torch.no_grad():
         out = (torch.ones(2), keys, moe)
         assert stage_output(out) is out
+
+
+def test_the_last_stages_loss_adds_the_moe_loss_in_training_only():
+    """GPTModelPipe's loss_fn with experts: lm + coeff x sum in training (what is back-propagated), the lm loss alone in
+    evaluation (as the plain path), both parts kept for the engine's additional losses."""
+    from megatron.core.parallel_state import single_process_state
+    from megatron.model.gpt_model_pipe import LMLoss
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))  # [b, s, V], [b, s]
+    mask = torch.ones(2, 5)
+    dense = LMLoss(single_process_state())(logits, (labels, mask))
+    loss = LMLoss(single_process_state(), moe_loss_coeff=0.1)
+    moe_sum = torch.tensor([0.5], requires_grad=True)
+    total = loss((logits, moe_sum), (labels, mask))
+    assert total.shape == () and torch.allclose(total, dense + 0.05)
+    assert torch.equal(loss.last["lm loss"], dense) and torch.allclose(loss.last["moe loss"], torch.tensor(0.05))
+    total.backward()
+    assert moe_sum.grad.item() == pytest.approx(0.1)
+    loss.training = False
+    assert torch.equal(loss((logits, moe_sum), (labels, mask)), dense)
