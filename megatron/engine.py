@@ -133,14 +133,16 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
         raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
                           "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
                           "--pipeline-model-parallel-size 1")
-    if p.pp > 1 and p.sequence_parallel:
+    if p.pp > 1 and (p.sequence_parallel or run.model.moe.enabled):
         # The engine's pipe/grad partitioning sends 1/TP of a stage's output and all-gathers it on the next
-        # stage, assuming every TP rank holds the same tensor; with SP each holds its own sequence slice.
+        # stage, assuming every TP rank holds the same tensor; with SP each holds its own sequence slice. With
+        # experts a stage sends two tensors that need gradients, which its partitioning cannot (upstream asserts).
         pipe_cfg = cfg.setdefault("pipeline", {})
+        why = "corrupts activations with --sequence-parallel: drop the key or --sequence-parallel" \
+            if p.sequence_parallel else "cannot send the MoE loss between stages (--num-experts): drop the key"
         for key in ("pipe_partitioned", "grad_partitioned"):
             if pipe_cfg.get(key):
-                raise ConfigError(f"{source} sets pipeline.{key}=true, which corrupts activations with "
-                                  "--sequence-parallel: drop the key or --sequence-parallel")
+                raise ConfigError(f"{source} sets pipeline.{key}=true, which {why}")
             pipe_cfg[key] = False
     notes += _activation_checkpointing(cfg, run, source)
 

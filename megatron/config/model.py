@@ -183,6 +183,12 @@ class ModelConfig:
         """Expert count of every layer (1: dense)."""
         return self.moe.experts_per_layer(self.num_layers)
 
+    def stage_layer_counts(self, pp: int) -> list[int]:
+        """Transformer layers of each pipeline stage under GPTModelPipe's default partition ('type:TransformerLayer'):
+        an even split, the remainder on the first stages."""
+        base, extra = divmod(self.num_layers, pp)
+        return [base + (1 if stage < extra else 0) for stage in range(pp)]
+
     def num_parameters(self, tp_size: int = 1, active: bool = False) -> int:
         """Exact count of the full (unsharded) model's parameters, with the vocabulary padded for ``tp_size``.
         ``active``: an MoE layer counts only what one token passes through (``active_layer_parameters``)."""

@@ -71,9 +71,8 @@ class RunConfig:
         if uneven:
             raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
                               "the same number of experts; use a multiple of it")
+        self._validate_moe_stages()
         refused = (
-            (p.pp > 1, f"--pipeline-model-parallel-size {p.pp}: MoE layers on DeepSpeed's pipeline engine are not "
-                       "built yet (the load-balancing loss would have to travel between the stages); use PP 1"),
             (p.sp > 1, f"--ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a sequence, another "
                        "capacity than one process's; use --sequence-parallel (Megatron's) or SP 1"),
             (bool(p.zero_hierarchy), "--zero-hierarchy: hierarchical ZeRO reduces every gradient over the whole "
@@ -84,6 +83,20 @@ class RunConfig:
         for bad, why in refused:
             if bad:
                 raise ConfigError(f"mixture of experts (--num-experts) with {why}")
+
+    def _validate_moe_stages(self) -> None:
+        """With PP > 1 every stage holds a layer with experts (GPTModelPipe's default partition)."""
+        p, experts, first = self.parallel, self.model.layer_experts(), 0
+        if p.pp == 1 or self.model.num_layers < p.pp:  # too few layers: the partition says so in its own words
+            return
+        for stage, n in enumerate(self.model.stage_layer_counts(p.pp)):
+            if all(e == 1 for e in experts[first:first + n]):
+                raise ConfigError(
+                    f"mixture of experts (--num-experts) with --pipeline-model-parallel-size {p.pp}: stage {stage} "
+                    f"(layers {first}-{first + n - 1}) has no layer with experts, and DeepSpeed's engine then runs "
+                    "other collectives there (ZeRO's gradient norm goes per parameter group) and saves it in another "
+                    "checkpoint layout; choose --expert-interval / --num-experts so that every stage has an MoE layer")
+            first += n
 
     def _validate_sequence_parallel(self) -> None:
         """Ulysses splits the sequence into SP chunks and each TP rank's heads (query and KV) into SP groups."""

@@ -4,7 +4,10 @@ Stage layout, in order: embedding (a ``TiedLayerSpec`` when the output layer reu
 ``LayerSpec`` per transformer layer, the final norm, the output layer (the tied spec again, or its own
 weight), then the vocab-parallel cross entropy as the engine's ``loss_fn``. Between stages flows one
 tensor, the hidden state ``[s(/tp with SP), b, h]``; the first stage takes tokens ``[b, s]`` and the loss
-takes ``(labels [b, s], loss_mask [b, s])``.
+takes ``(labels [b, s], loss_mask [b, s])``. With mixture-of-experts layers (--num-experts) the first stage takes
+``(tokens, sample_index [b])`` and a tuple flows instead: the hidden state, the tokens' random-draw keys and the
+running sum of the balancing losses (megatron/model/moe_pipe.py); the loss adds --moe-loss-coeff x that sum in
+training, and ``get_additional_losses`` reports the lm and MoE losses apart (the engine averages them over DP).
 
 Which model PP=1 uses: the plain ``GPTModel`` on DeepSpeed's ordinary engine. At one stage the pipeline
 engine adds nothing but restrictions (ZeRO-0/1 only, no external forward), so ``pretrain_gpt.py`` builds
@@ -23,12 +26,15 @@ of them by default), Megatron's "block" rule, because the first stage holds the 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from megatron.config import ModelConfig
+from megatron.core.moe.draws import token_keys
 from megatron.core.parallel_state import GroupInfo, ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.recompute import checkpoint_with
@@ -38,6 +44,7 @@ from megatron.errors import ConfigError
 from megatron.model.compile import compile_transformer_layers
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import OutputLayer, checkpoint_options, recompute_layer_count
+from megatron.model.moe_pipe import first_stage_extras, stage_output
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
 
@@ -46,57 +53,104 @@ PARTITION_METHODS = ("type:TransformerLayer", "parameters", "uniform")
 
 class EmbeddingPipe(Embedding):
     """tokens [b, s] -> [s(/tp), b, h]. When tied it also owns a weightless output head, so the last
-    stage's copy of this module can project with ``word_embeddings.weight`` (see ``tied_output``)."""
+    stage's copy of this module can project with ``word_embeddings.weight`` (see ``tied_output``).
+    A model with experts: (tokens, sample_index [b]) -> (hidden, keys [s, b], balancing-loss sum [1])."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, sp: GroupInfo | None = None,
                  **common) -> None:
         super().__init__(cfg, padded_vocab_size, **common)
         self.head = OutputLayer(cfg, padded_vocab_size, **common) if tied_head else None
         self.sp = sp if sp is not None else GroupInfo([0], 0, None)
+        self.moe, self.init_seed = cfg.moe.enabled, common["init_seed"]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs):
+        tokens, sample_index = inputs if isinstance(inputs, tuple) else (inputs, None)
         # DeepSpeed-Ulysses: tokens are this SP rank's slice; learned positions stay global.
         positions = sequence_position_ids(tokens.shape[1], self.sp, tokens.device) if self.sp.size > 1 else None
-        return super().forward(tokens, positions)
+        hidden = super().forward(tokens, positions)
+        if not self.moe:
+            return hidden
+        if sample_index is None:  # as GPTModel: outside the data loader the micro-batch's order stands in
+            sample_index = torch.arange(tokens.shape[0], device=tokens.device)
+        return (hidden, *first_stage_extras(token_keys(sample_index, tokens.shape[1], self.init_seed)))
 
 
-def tied_output(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """Last stage: [s(/tp), b, h] -> vocab-parallel logits [b, s, V/tp] with the tied word embeddings."""
+def tied_output(module: EmbeddingPipe, x):
+    """Last stage: [s(/tp), b, h] -> vocab-parallel logits [b, s, V/tp] with the tied word embeddings
+    (with experts: (hidden, moe_sum) -> (logits, moe_sum))."""
+    if isinstance(x, tuple):
+        return module.head(x[0], None, module.word_embeddings.weight), x[1]
     return module.head(x, None, module.word_embeddings.weight)
 
 
 class TransformerLayerPipe(TransformerLayer):
-    """One transformer layer; ``recompute`` is set per stage after partitioning."""
+    """One transformer layer; ``recompute`` is set per stage after partitioning. In a model with experts it
+    takes and returns (hidden, keys, moe_sum), an MoE layer adding its balancing loss to the sum."""
 
     recompute = False
     checkpoint_options = None
     tp_info = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and self.training:
-            return checkpoint_with(super().forward, x, self.checkpoint_options, self.tp_info.group,
+    def forward(self, x):
+        if not isinstance(x, tuple):
+            return self._run(x, None)
+        hidden, keys, moe_sum = x
+        hidden = self._run(hidden, keys)
+        # Set by this forward (a recompute's replay overwrites it later, after it has been added here).
+        return hidden, keys, (moe_sum + self.mlp.aux_loss if self.is_moe else moe_sum)
+
+    def _run(self, x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            return TransformerLayer.forward(self, h, keys)
+
+        if self.recompute and self.training:  # the replay draws with the same keys
+            return checkpoint_with(layer, x, self.checkpoint_options, self.tp_info.group,
                                    self.tp_info.size)  # keeps only x [s, b, h] (or 1/TP of it)
-        return super().forward(x)
+        return layer(x)
 
 
 class FinalNormPipe(Norm):
-    pass
+    """The final norm; with experts (hidden, keys, moe_sum) -> (normed hidden, moe_sum)."""
+
+    def forward(self, x):
+        if isinstance(x, tuple):
+            return super().forward(x[0]), x[-1]
+        return super().forward(x)
 
 
 class OutputLayerPipe(OutputLayer):
-    """Untied output layer: [s(/tp), b, h] -> logits [b, s, V/tp]."""
+    """Untied output layer: [s(/tp), b, h] -> logits [b, s, V/tp] (with experts: (hidden, moe_sum) -> (logits,
+    moe_sum))."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
+        if isinstance(x, tuple):
+            return super().forward(x[0], None, None), x[1]
         return super().forward(x, None, None)
 
 
 class LMLoss:
-    """The engine's ``loss_fn``: masked mean of the vocab-parallel cross entropy, fp32 (as gpt_forward_step)."""
+    """The engine's ``loss_fn``: masked mean of the vocab-parallel cross entropy, fp32 (as gpt_forward_step).
 
-    def __init__(self, pstate: ParallelState) -> None:
+    With experts (``moe_loss_coeff`` given) it takes (logits, moe_sum) and, in training, returns lm + coeff x moe_sum
+    (upstream's loss_func, and train_step's at PP=1); evaluation returns the lm loss alone, as the plain path's. The
+    last micro-batch's two parts are kept detached in ``last`` for the engine's additional losses."""
+
+    def __init__(self, pstate: ParallelState, moe_loss_coeff: float | None = None) -> None:
         self.tp, self.sp = pstate.tp, pstate.sp
+        self.moe_loss_coeff = moe_loss_coeff
+        self.training = True
+        self.last: OrderedDict | None = None
 
-    def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, outputs, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.moe_loss_coeff is None:
+            return self._lm(outputs, labels)
+        logits, moe_sum = outputs
+        lm = self._lm(logits, labels)
+        moe = self.moe_loss_coeff * moe_sum.reshape(())
+        self.last = OrderedDict([("lm loss", lm.detach()), ("moe loss", moe.detach())])
+        return lm + moe if self.training else lm
+
+    def _lm(self, logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         target, mask = labels
         # logits arrive as the [b, s, V/tp] view of [s, b, V/tp]: undo the view so the loss's chunks are
         # contiguous, and no .float(): the loss upcasts one chunk at a time.
@@ -122,12 +176,13 @@ def spec_parameters(cfg: ModelConfig, tp: int, ep: int = 1) -> list[int]:
         [cfg.norm_parameters(), words]
 
 
-def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", tp: int = 1) -> list[int]:
+def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", tp: int = 1,
+              ep: int = 1) -> list[int]:
     """Stage boundaries over the spec list: stage i holds specs [parts[i], parts[i+1]).
 
     'type:TransformerLayer' splits the transformer layers evenly, the remainder going to the first stages
     (the split megatron/perf/memory.py assumes); the embedding joins stage 0, norm and output the last.
-    'parameters' balances the parameter count; 'uniform' balances the number of specs.
+    'parameters' balances the parameter count of one TP (and EP) rank; 'uniform' balances the number of specs.
     """
     n_specs = cfg.num_layers + 3
     if method.lower().startswith("type:") and method.split(":", 1)[1].lower() in ("transformerlayer", "transformer"):
@@ -135,14 +190,14 @@ def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", 
             raise ConfigError(
                 f"--num-layers {cfg.num_layers} cannot fill --pipeline-model-parallel-size {pp} stages: every stage "
                 f"needs a transformer layer; use --num-layers >= {pp} (a multiple of {pp} balances the stages)")
-        base, extra = divmod(cfg.num_layers, pp)
-        parts = [0, 1 + base + (1 if extra else 0)]
+        counts = cfg.stage_layer_counts(pp)
+        parts = [0, 1 + counts[0]]
         for stage in range(1, pp):
-            parts.append(parts[-1] + base + (1 if stage < extra else 0))
+            parts.append(parts[-1] + counts[stage])
         parts[-1] = n_specs  # norm + output join the last stage
         return parts
     if method == "parameters":
-        parts = partition_balanced(spec_parameters(cfg, tp), pp)
+        parts = partition_balanced(spec_parameters(cfg, tp, ep), pp)
     elif method == "uniform":
         parts = partition_uniform(n_specs, pp)
     else:
@@ -170,8 +225,6 @@ class GPTModelPipe(PipelineModule):
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
-        if cfg.moe.enabled:  # RunConfig refuses MoE with PP > 1 first; this stops a direct build at PP = 1 too
-            raise ConfigError("GPTModelPipe has no MoE layers yet: build GPTModel for a model with --num-experts")
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
         sp = sequence_parallel and tp.size > 1
@@ -183,7 +236,8 @@ class GPTModelPipe(PipelineModule):
                                        tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, sp=pstate.sp, **common))
-        specs += [LayerSpec(TransformerLayerPipe, cfg, i, sp=pstate.sp, **common) for i in range(cfg.num_layers)]
+        specs += [LayerSpec(TransformerLayerPipe, cfg, i, sp=pstate.sp, num_experts=n, ep=pstate.ep, **common)
+                  for i, n in enumerate(cfg.layer_experts())]
         specs.append(LayerSpec(FinalNormPipe, cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
                                sequence_parallel=sp))
         if cfg.tie_embeddings:
@@ -191,16 +245,34 @@ class GPTModelPipe(PipelineModule):
                                        sp=pstate.sp, tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
-        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size)
+        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size, pstate.ep.size)
         topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.sdp.size)
         check_topology(topo, pstate)
-        super().__init__(specs, topology=topo, loss_fn=LMLoss(pstate), partition_method=partition_method,
+        loss = LMLoss(pstate, cfg.moe.moe_loss_coeff if cfg.moe.enabled else None)
+        super().__init__(specs, topology=topo, loss_fn=loss, partition_method=partition_method,
                          activation_checkpoint_interval=0)
+        self._sends_moe_tuple = cfg.moe.enabled and self.stage_id < pstate.pp.size - 1
         layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
         for i, layer in enumerate(layers):
             layer.recompute = i < recompute_layer_count(cfg, len(layers))
             layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, sp), tp
         compile_transformer_layers(self, cfg.torch_compile)
+
+    def forward(self, forward_input):
+        out = super().forward(forward_input)
+        return stage_output(out) if self._sends_moe_tuple else out
+
+    def train(self, mode: bool = True):
+        self.loss_fn.training = mode  # evaluation's loss is the lm loss alone, as on the plain path
+        return super().train(mode)
+
+    def get_additional_losses(self) -> OrderedDict | None:
+        """The engine's extra losses (a model with experts): the last stage's lm and MoE loss of the latest
+        micro-batch, which the engine sums over the batch, averages over DP and broadcasts to every stage (whose
+        own call only counts the names)."""
+        if not self.cfg.moe.enabled:
+            return None
+        return self.loss_fn.last or OrderedDict([("lm loss", None), ("moe loss", None)])
 
     def _synchronize_tied_weights(self) -> None:
         # DeepSpeed broadcasts the tied weight in place; outside no_grad autograd records the broadcast

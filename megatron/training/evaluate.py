@@ -85,7 +85,7 @@ class Evaluation:
                                     "--micro-batch-size x data-parallel size: give it more (--split)")
                 start = 0
 
-        return pipe_microbatches(endless()) if self.pipelined else endless()
+        return pipe_microbatches(endless(), self.run.model.moe.enabled) if self.pipelined else endless()
 
     def _loss(self, data, verbose: bool, num_microbatches: int | None) -> float:
         if self.pipelined and num_microbatches:  # the pipeline engine's eval_batch runs its accumulation steps

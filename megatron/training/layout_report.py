@@ -51,7 +51,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     """
     m, p = run.model, run.parallel
     layout = run_layout(run)
-    parts = partition(m, p.pp, partition_method, p.tp)
+    parts = partition(m, p.pp, partition_method, p.tp, p.ep if m.moe.enabled else 1)
     per_spec = spec_parameters(m, p.tp, p.ep if m.moe.enabled else 1)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
     ulysses = f" x SP {p.sp} (DeepSpeed-Ulysses)" if p.sp > 1 else ""

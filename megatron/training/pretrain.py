@@ -168,7 +168,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     scheduler = getattr(engine, "lr_scheduler", None)
     pipelined = is_pipeline(engine)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step
-        train_data = pipe_microbatches(train_data)
+        train_data = pipe_microbatches(train_data, sample_index=run.model.moe.enabled)
 
     peak, peak_src = device_peak_tflops(run.precision.name, t.peak_tflops)
     print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)

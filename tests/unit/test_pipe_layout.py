@@ -132,3 +132,16 @@ def test_model_features_line_reads_the_built_modules(size, overrides, want):
     assert model_features(model) == "> model features: " + want
     model.output_layer = torch.nn.Identity()  # what a first pipeline stage holds: no output layer
     assert "output layer on another stage" in model_features(model)
+
+
+def test_moe_switches_pipe_partitioning_off_and_refuses_it_in_a_json(tmp_path):
+    """Pipe/grad partitioning sends only the first tensor partitioned: with experts a stage sends two that need
+    gradients (the hidden state and the MoE-loss sum)."""
+    from megatron.config import MoEConfig
+
+    moe = MoEConfig(num_experts=(4,))
+    assert build_ds_config(_run(moe=moe))["pipeline"]["pipe_partitioned"] is False
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"pipeline": {"grad_partitioned": True}}))
+    with pytest.raises(ConfigError, match="grad_partitioned=true, which cannot send the MoE loss"):
+        build_ds_config(_run(moe=moe), str(path))
