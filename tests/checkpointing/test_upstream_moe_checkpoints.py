@@ -143,22 +143,23 @@ def test_upstream_expert_moments_sit_where_their_weights_do():
     assert checked == 2 * 4 * 4
 
 
-@pytest.mark.parametrize("layout, ep", [("moe_ep2", 2), ("moe_ep2", 1), ("moe_pp2_ep2", 2)])
-def test_resume_continues_upstreams_moe_run(tmp_path, layout, ep, monkeypatch, capsys):
+@pytest.mark.parametrize("layout, ep, pp", [("moe_ep2", 2, 1), ("moe_ep2", 1, 1), ("moe_pp2_ep2", 2, 2)])
+def test_resume_continues_upstreams_moe_run(tmp_path, layout, ep, pp, monkeypatch, capsys):
     """Acceptance (issue 34): --load of upstream's MoE global_step3 (DP=2, EP=2, ZeRO-1) goes on at iterations 4-6
     with upstream's lm loss within 1e-4 and MoE loss within 1e-6, at upstream's EP=2 and at EP=1 (all experts
-    on every rank), and so does upstream's pipeline-engine run (PP=2) resumed here without a pipeline. From moe_ep2
+    on every rank), and so does upstream's pipeline-engine run (PP=2 x DP=2) resumed here on our pipeline (PP=2 x
+    EP=2, 4 ranks). From moe_ep2
     at EP=2 the run goes on to 9 and saves global_step6: tools/convert_to_upstream.py writes it in upstream's
     layout, which reads back to our own checkpoint's weights and moments; upstream itself resumed that conversion
     (moe_ep2/ours_back.json, recorded by make_fixtures.sh) with the losses this run logs at 7-9."""
     load = str(tmp_path / layout)
     shutil.copytree(os.path.join(FIX, layout), load)
     args = _flags(str(tmp_path / "cache")) + MOE + ["--moe-expert-parallel-size", str(ep), "--load", load,
-                                                     "--trust-checkpoint"]
+                                                     "--trust-checkpoint", "--pipeline-model-parallel-size", str(pp)]
     back = (layout, ep) == ("moe_ep2", 2)
     if back:
         args += ["--train-iters", "9", "--save", load, "--save-interval", "6"]
-    proc = run_pretrain(2, args, timeout=400)
+    proc = run_pretrain(2 * pp, args, timeout=400)
     assert "Adam moments loaded" in proc.stdout
     got, moe = losses(proc.stdout), {int(m.group(1)): float(m.group(2)) for m in _MOE_LOSS.finditer(proc.stdout)}
     rec = _recorded(layout)["resumed_run"]
