@@ -80,8 +80,8 @@ def enumerate_layouts(model: ModelConfig, gcds: int, global_batch_size: int,
         for pp in _divisors(gcds // tp):
             if space.pp is not None and pp not in space.pp:
                 continue
-            if model.moe.enabled and pp > 1:
-                continue  # the trainer refuses MoE layers on the pipeline engine
+            if model.moe.enabled and pp > 1 and not _every_stage_has_experts(model, pp):
+                continue  # the trainer refuses a pipeline stage without an MoE layer (RunConfig._validate_moe_stages)
             if not pp_splits_sensibly(model.num_layers, pp, space.max_stage_imbalance):
                 continue
             for u in space.ds_sequence_parallel_size:
@@ -117,6 +117,15 @@ def _batch_layouts(model: ModelConfig, tp: int, pp: int, u: int, dp: int, global
                                           flash_attention=space.flash_attention, dtype=space.dtype,
                                           ds_sequence_parallel_size=u, ep=ep))
     return out
+
+
+def _every_stage_has_experts(model: ModelConfig, pp: int) -> bool:
+    experts, first = model.layer_experts(), 0
+    for n in model.stage_layer_counts(pp):
+        if all(e == 1 for e in experts[first:first + n]):
+            return False
+        first += n
+    return True
 
 
 def _expert_parallel_sizes(model: ModelConfig, shard_dp: int, space: SearchSpace) -> list[int]:

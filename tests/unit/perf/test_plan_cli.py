@@ -101,7 +101,11 @@ def test_moe_plan_counts_all_to_all_bytes_per_tier_and_searches_ep(capsys):
         assert sent[:3] == pytest.approx([every[t] / 1e9 for t in ("package", "node", "network")], abs=6e-4)
         assert sent[3:] == pytest.approx([a2a / 1e9 if t == tier else 0 for t in ("package", "node", "network")],
                                          abs=6e-4) and a2a > 1e8
-    rc, lines, _ = run([*moe, "--top", "400"], capsys)  # the search: EP sizes, never a pipeline or ZeRO-3 with experts
+    # The search: EP sizes; pipelines only where every stage holds an MoE layer (--expert-interval 4: layers 4 and 8
+    # have experts, so PP=2 but not PP=4 or 8), never ZeRO-3 with experts.
+    rc, lines, _ = run([*moe, "--expert-interval", "4", "--top", "2000"], capsys)
     rows = [line for line in lines if re.match(r"^\s+\d+ TP=", line)]
-    assert rc == 0 and rows and all(" PP=1 " in r and "ZeRO=3" not in r for r in rows)
+    pps = {int(re.search(r" PP=(\d+) ", r).group(1)) for r in rows}
+    assert rc == 0 and rows and all("ZeRO=3" not in r for r in rows)
+    assert pps == {1, 2}, pps
     assert {re.search(r"EP=(\d+)", r).group(1) for r in rows if "EP=" in r} >= {"2", "4", "8", "16"}
