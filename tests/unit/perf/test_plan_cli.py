@@ -104,7 +104,7 @@ def test_moe_plan_counts_all_to_all_bytes_per_tier_and_searches_ep(capsys):
     # The search: EP sizes; pipelines only where every stage holds an MoE layer (--expert-interval 4: layers 4 and 8
     # have experts, so PP=2 but not PP=4 or 8), never ZeRO-3 with experts.
     rc, lines, _ = run([*moe, "--expert-interval", "4", "--top", "2000"], capsys)
-    rows = [line for line in lines if re.match(r"^\s+\d+ TP=", line)]
+    rows = [line for line in lines if re.match(r"^\s*\d+ TP=", line)]
     pps = {int(re.search(r" PP=(\d+) ", r).group(1)) for r in rows}
     assert rc == 0 and rows and all("ZeRO=3" not in r for r in rows)
     assert pps == {1, 2}, pps
