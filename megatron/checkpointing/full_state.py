@@ -74,10 +74,9 @@ def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
     tp, pp, zero = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["zero_stage"]
     nl = meta["run"]["model"]["num_layers"]
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    if pp > 1 and experts.expert_files(ckpt_dir):
+        return _pipeline_moe_states(ckpt_dir, tp, pp, nl)
     if pp > 1:
-        if experts.expert_files(ckpt_dir):  # per-stage expert files: another layout
-            raise CheckpointError(f"{ckpt_dir} holds a model with experts saved with pipeline parallelism: merging "
-                                  "its expert files is built for PP=1 only; resume it at its own layout")
         files = sorted(glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")))
         if not files:
             raise CheckpointError(f"checkpoint {ckpt_dir} has no pipeline layer files (layer_*-model_states.pt)")
@@ -96,6 +95,26 @@ def _tp_rank_states(ckpt_dir: str, meta: dict) -> list[dict[str, torch.Tensor]]:
             module = safe_load(os.path.join(ckpt_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
         states[rank] = {n: v for k, v in module.items() if (n := canonical_name(k, nl)) is not None}
     for _, _, mp, f in experts.expert_files(ckpt_dir):  # DeepSpeed's per-expert files: global expert indices
+        states[mp % tp].update({n: v for k, v in safe_load(f).items() if (n := canonical_name(k, nl)) is not None})
+    return states
+
+
+def _pipeline_moe_states(ckpt_dir: str, tp: int, pp: int, nl: int) -> list[dict[str, torch.Tensor]]:
+    """DeepSpeed's layout for a pipeline with experts: no layer files; each stage's dense weights in
+    mp_rank_XX_model_states.pt (XX = stage x TP + TP rank, the rank among the pipeline grid's model-parallel ranks)
+    and one file per expert (tensors named by their pipeline layer index, experts by global id)."""
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for mp in range(pp * tp):  # stage 0 first: a tied embedding's first-stage copy wins (the last stage's copy of
+        # the position embeddings takes no gradient there, so it is stale)
+        path = os.path.join(ckpt_dir, f"mp_rank_{mp:02d}_model_states.pt")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing: stage {mp // tp}, TP rank {mp % tp} of a "
+                                  f"PP={pp} x TP={tp} checkpoint with experts")
+        for k, v in safe_load(path)["module"].items():
+            name = canonical_name(k, nl)
+            if name is not None and v is not None:
+                states[mp % tp].setdefault(name, v)
+    for _, _, mp, f in experts.expert_files(ckpt_dir):
         states[mp % tp].update({n: v for k, v in safe_load(f).items() if (n := canonical_name(k, nl)) is not None})
     return states
 

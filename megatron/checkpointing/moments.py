@@ -70,7 +70,8 @@ def _zero12(ckpt_dir: str, tp: int, nl: int, ep: int = 1) -> tuple[list[Moments]
     pieces: dict[tuple[int, str], dict[int, dict[int, dict]]] = {}  # (tp, name) -> mp -> dp -> {key: slice}
     shapes: list[dict[str, torch.Size]] = [{} for _ in range(tp)]
     shape_of: dict[tuple[int, str], str] = {}  # experts: global name -> the local name the shapes carry
-    per_layer = experts.counts_in_files(ckpt_dir)
+    # Pipeline expert files name their tensors by pipeline layer index ('2.mlp...'): key the counts canonically.
+    per_layer = {canonical_name(k, nl): v for k, v in experts.counts_in_files(ckpt_dir).items()}
     step = 0
     for path in sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))):
         m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", path)

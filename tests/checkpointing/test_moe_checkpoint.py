@@ -67,7 +67,8 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
 PIPE = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--train-iters", "3",
                "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-interval", "1",
                "--moe-expert-parallel-size", "2", "--topk", "1", "--moe-train-capacity-factor", "0.75",
-               "--moe-min-capacity", "2", "--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1"]
+               "--moe-min-capacity", "2", "--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1",
+               "--vocab-size", "256"]  # no padded vocabulary rows: exact through a full state
 
 
 @pytest.mark.timeout(400)
@@ -93,3 +94,20 @@ def test_ep2_pp2_resumes_exactly_from_the_pipelines_files(tmp_path):
     assert len(set(straight["losses"].values())) == 3 and min(straight["moe_losses"].values()) > 0.05, straight
     # Evaluation on the pipeline (the lm loss alone, tests/unit/test_moe_pipe.py) resumes exactly too.
     assert 2 in straight["valid_losses"] and resumed["final_eval"] == straight["final_eval"], (resumed, straight)
+    # Resharded: the pipeline's per-stage model files and expert files merged into a full state (weights and ZeRO-1
+    # moments), loaded without a pipeline at EP=1 on 2 ranks: iteration 3 as the straight PP=2 x EP=2 run.
+    import tools.reshard_checkpoint as reshard
+    from megatron.checkpointing.full_state import read_full_moments, read_full_state
+
+    full = str(tmp_path / "full")
+    assert reshard.main(["--load", save, "--tag", "global_step2", "--save", full]) == 0
+    weights, _ = read_full_state(full)
+    moments, step = read_full_moments(full)
+    assert len([n for n in weights if ".deepspeed_experts." in n]) == 2 * 4 * 4 and set(moments) == set(weights)
+    flat = list(PIPE)
+    flat[flat.index("--pipeline-model-parallel-size") + 1] = "1"
+    flat[flat.index("--moe-expert-parallel-size") + 1] = "1"
+    moved = pretrain_on(2, flat + ["--load", full])
+    assert sorted(moved["losses"]) == [3], moved
+    assert moved["losses"][3] == pytest.approx(straight["losses"][3], abs=1e-5), (moved, straight)
+    assert moved["moe_losses"][3] == pytest.approx(straight["moe_losses"][3], abs=1e-6), (moved, straight)
