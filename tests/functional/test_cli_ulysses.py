@@ -1,21 +1,20 @@
-"""pretrain_gpt.py with --ds-sequence-parallel-size: SP=1 (1 process), SP=2 and SP=4 log the same lm loss at
-iteration 10; a head count SP cannot split is refused in one line before any process group."""
+"""pretrain_gpt.py with --ds-sequence-parallel-size: SP=1 (1 process) and SP=2 log the same lm loss at iteration 10
+(SP=4 and TP x SP are checked against one process in tests/distributed/test_ulysses.py); a head count SP cannot split
+is refused in one line before any process group."""
 
 from tests.functional.cli import TINY, losses, run_pretrain
 from tests.launcher import free_port
 
 
-def test_sp2_sp4_cli_match_sp1():
+def test_sp2_cli_matches_sp1():
     # A free port for the one-process run too: the default 29500 may be held by another job on a shared machine.
     ref = losses(run_pretrain(1, TINY, env={"MASTER_PORT": str(free_port())}).stdout)
     sp2 = run_pretrain(2, TINY + ["--ds-sequence-parallel-size", "2"]).stdout
-    sp4 = run_pretrain(4, TINY + ["--ds-sequence-parallel-size", "4"]).stdout
-    for out in (sp2, sp4):
-        got = losses(out)
-        assert 10 in ref and 10 in got, (ref, got)
-        assert abs(got[10] - ref[10]) <= 1e-4 * abs(ref[10]), (got[10], ref[10])
+    got = losses(sp2)
+    assert 10 in ref and 10 in got, (ref, got)
+    assert abs(got[10] - ref[10]) <= 1e-4 * abs(ref[10]), (got[10], ref[10])
     assert len({round(v, 4) for v in ref.values()}) > 5  # the run trains, so agreement is not trivial
-    assert "SP groups (1 of size 4): [0, 1, 2, 3]" in sp4, sp4[:3000]  # rank 0's layout report names them
+    assert "SP groups (1 of size 2): [0, 1]" in sp2, sp2[:3000]  # rank 0's layout report names them
 
 
 def test_sp_that_cannot_split_the_kv_heads_is_refused_before_the_process_group():
