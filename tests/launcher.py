@@ -135,8 +135,9 @@ def _logged_entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: di
 
 
 def run_to_exit(fn, world_size: int, timeout: float = 300.0, **kwargs) -> list[Outcome]:
-    """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` fresh ranks (forked from the forkserver) that may end by exiting (the watchdog's
-    os._exit): each rank's exit code, output and result, never raising for a rank's failure."""
+    """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` fresh ranks (forked from the forkserver) that may end by
+    exiting (the watchdog's os._exit): each rank's exit code, output and result, never raising for a rank's
+    failure."""
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
