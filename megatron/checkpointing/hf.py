@@ -68,6 +68,38 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> tor
     return x.reshape((nq + 2 * nkv) * d, *rest)
 
 
+def llama_attention_to_hf(full: dict[str, torch.Tensor], i: int, m: dict) -> dict[str, torch.Tensor]:
+    """Layer i's two norms and attention weights (no biases) as a HF Llama-family model names them (inverse of
+    ``llama_attention_from_hf``)."""
+    src, dst = f"layers.{i}.", f"model.layers.{i}."
+    out = {f"{dst}input_layernorm.weight": full[f"{src}input_layernorm.weight"],
+           f"{dst}post_attention_layernorm.weight": full[f"{src}post_attention_layernorm.weight"],
+           f"{dst}self_attn.o_proj.weight": full[f"{src}self_attention.dense.weight"]}
+    for name, t in zip(("q_proj", "k_proj", "v_proj"),
+                       _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
+        out[f"{dst}self_attn.{name}.weight"] = t
+    return out
+
+
+def llama_attention_from_hf(hf: dict[str, torch.Tensor], i: int, m: dict) -> dict[str, torch.Tensor]:
+    """Layer i's two norms and attention weights (no biases) of a HF Llama-family model (Llama, Mixtral,
+    Qwen2-MoE) under our names; q/k/v joined into our per-group QKV."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    a = f"{src}self_attn."
+    return {f"{dst}input_layernorm.weight": hf[f"{src}input_layernorm.weight"],
+            f"{dst}post_attention_layernorm.weight": hf[f"{src}post_attention_layernorm.weight"],
+            f"{dst}self_attention.query_key_value.weight": _join_qkv(
+                hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m),
+            f"{dst}self_attention.dense.weight": hf[f"{a}o_proj.weight"]}
+
+
+def swiglu_mlp_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """A HF SwiGLU MLP's weights (``src`` + gate_proj/up_proj/down_proj) as ours (``dst`` + dense_h_to_4h, the gate
+    stacked over the up projection, and dense_4h_to_h)."""
+    return {f"{dst}dense_h_to_4h.weight": torch.cat([hf[f"{src}gate_proj.weight"], hf[f"{src}up_proj.weight"]]),
+            f"{dst}dense_4h_to_h.weight": hf[f"{src}down_proj.weight"]}
+
+
 def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(HF state dict, HF config.json dict) for our full state ``full`` with model config ``m``."""
     kind = variant(m)
@@ -114,11 +146,7 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
     f = m["ffn_hidden_size"]
     for i in range(nl):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[f"{dst}input_layernorm.weight"] = full[f"{src}input_layernorm.weight"]
-        out[f"{dst}post_attention_layernorm.weight"] = full[f"{src}post_attention_layernorm.weight"]
-        for name, t in zip(("q_proj", "k_proj", "v_proj"),
-                           _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
-            out[f"{dst}self_attn.{name}.weight"] = t
+        out.update(llama_attention_to_hf(full, i, m))
         if bias:
             for name, t in zip(("q_proj", "k_proj", "v_proj"),
                                _split_qkv(full[f"{src}self_attention.query_key_value.bias"], m), strict=True):
@@ -127,7 +155,6 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
             out[f"{dst}mlp.gate_proj.bias"], out[f"{dst}mlp.up_proj.bias"] = \
                 full[f"{src}mlp.dense_h_to_4h.bias"].split(f)
             out[f"{dst}mlp.down_proj.bias"] = full[f"{src}mlp.dense_4h_to_h.bias"]
-        out[f"{dst}self_attn.o_proj.weight"] = full[f"{src}self_attention.dense.weight"]
         gate, up = full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
         out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = gate, up
         out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
@@ -281,14 +308,8 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
         for i in range(nl):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             a = f"{src}self_attn."
-            full[f"{dst}input_layernorm.weight"] = hf[f"{src}input_layernorm.weight"]
-            full[f"{dst}post_attention_layernorm.weight"] = hf[f"{src}post_attention_layernorm.weight"]
-            full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
-                hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m)
-            full[f"{dst}self_attention.dense.weight"] = hf[f"{a}o_proj.weight"]
-            full[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat([hf[f"{src}mlp.gate_proj.weight"],
-                                                                hf[f"{src}mlp.up_proj.weight"]])
-            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.down_proj.weight"]
+            full.update(llama_attention_from_hf(hf, i, m))
+            full.update(swiglu_mlp_from_hf(hf, f"{src}mlp.", f"{dst}mlp."))
             if bias:
                 full[f"{dst}self_attention.query_key_value.bias"] = _join_qkv(
                     hf[f"{a}q_proj.bias"], hf[f"{a}k_proj.bias"], hf[f"{a}v_proj.bias"], m)

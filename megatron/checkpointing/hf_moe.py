@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpointing.hf import LLAMA, _join_qkv, _split_qkv, variant
+from megatron.checkpointing.hf import (LLAMA, llama_attention_from_hf, llama_attention_to_hf, swiglu_mlp_from_hf,
+                                       variant)
 from megatron.config.moe import MoEConfig
 from megatron.errors import ConfigError
 
@@ -93,12 +94,7 @@ def moe_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.T
            "model.norm.weight": full["final_layernorm.weight"]}
     for i, n in enumerate(per_layer):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[f"{dst}input_layernorm.weight"] = full[f"{src}input_layernorm.weight"]
-        out[f"{dst}post_attention_layernorm.weight"] = full[f"{src}post_attention_layernorm.weight"]
-        for name, t in zip(("q_proj", "k_proj", "v_proj"),
-                           _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
-            out[f"{dst}self_attn.{name}.weight"] = t
-        out[f"{dst}self_attn.o_proj.weight"] = full[f"{src}self_attention.dense.weight"]
+        out.update(llama_attention_to_hf(full, i, m))
         if n == 1:
             out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = \
                 full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
@@ -196,16 +192,9 @@ def moe_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, to
             "final_layernorm.weight": hf["model.norm.weight"]}
     for i, n in enumerate(per_layer):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        a = f"{src}self_attn."
-        full[f"{dst}input_layernorm.weight"] = hf[f"{src}input_layernorm.weight"]
-        full[f"{dst}post_attention_layernorm.weight"] = hf[f"{src}post_attention_layernorm.weight"]
-        full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
-            hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m)
-        full[f"{dst}self_attention.dense.weight"] = hf[f"{a}o_proj.weight"]
+        full.update(llama_attention_from_hf(hf, i, m))
         if n == 1:
-            full[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat([hf[f"{src}mlp.gate_proj.weight"],
-                                                                hf[f"{src}mlp.up_proj.weight"]])
-            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.down_proj.weight"]
+            full.update(swiglu_mlp_from_hf(hf, f"{src}mlp.", f"{dst}mlp."))
             continue
         block = src + _BLOCK[kind]
         full[f"{dst}mlp.deepspeed_moe.gate.wg.weight"] = hf[f"{block}gate.weight"]
