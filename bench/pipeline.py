@@ -50,6 +50,7 @@ class _Layout:
         import deepspeed.comm as dist
         from deepspeed.runtime.pipe import schedule
 
+        from megatron import ds_seams
         from megatron.core.parallel_state import ParallelState
         from megatron.data.mock_dataset import MockGPTDataset
         from megatron.engine import build_ds_config, initialize_engine
@@ -69,12 +70,11 @@ class _Layout:
         self.records: list[tuple[float, float, float]] = []
         if pp > 1:
             self.data = pipe_microbatches(self.data)
-            table = dict(type(self.engine)._INSTRUCTION_MAP)  # instance copy: only this engine is instrumented
-            for instr, key in ((schedule.ForwardPass, "compute"), (schedule.BackwardPass, "compute"),
-                               (schedule.ReduceGrads, "reduce_step"), (schedule.ReduceTiedGrads, "reduce_step"),
-                               (schedule.OptimizerStep, "reduce_step")):
-                table[instr] = _timed(table[instr], self.acc, key)
-            self.engine._INSTRUCTION_MAP = table
+            timed = {schedule.ForwardPass: "compute", schedule.BackwardPass: "compute",
+                     schedule.ReduceGrads: "reduce_step", schedule.ReduceTiedGrads: "reduce_step",
+                     schedule.OptimizerStep: "reduce_step"}
+            ds_seams.wrap_pipeline_instructions(  # only this engine is instrumented
+                self.engine, lambda kind, fn: _timed(fn, self.acc, timed[kind]) if kind in timed else fn)
 
     def step(self, record: bool) -> None:
         import deepspeed.comm as dist

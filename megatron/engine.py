@@ -18,8 +18,8 @@ import os
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import groups as ds_groups
 
+from megatron import ds_seams
 from megatron.compat import ds_json
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
@@ -256,6 +256,7 @@ def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[st
 
 def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelState, ds_config: dict):
     """Wrap ``model`` in a DeepSpeed engine with AdamW and Megatron's LR schedule."""
+    ds_seams.check_installed()
     o = run.optimizer
     hcfg = hierarchical_zero.from_ds_config(ds_config)
     if hcfg is not None:  # our own sharded engine; DeepSpeed never sees the section
@@ -312,18 +313,18 @@ _PIPE_PHASES = {"LoadMicroBatch": "data", "ForwardPass": "forward", "BackwardPas
 
 
 def _track_pipeline_phases(engine) -> None:
-    """Each schedule instruction enters its phase before it runs: an instance copy of the engine class's
-    instruction map (``_exec_schedule`` reads ``self._INSTRUCTION_MAP``)."""
+    """Each schedule instruction enters its phase before it runs (this engine only)."""
 
-    def tracked(phase: str, fn):
+    def tracked(kind: type, fn):
+        phase = _PIPE_PHASES.get(kind.__name__, kind.__name__)
+
         def run(self, *args, **kwargs):
             PROGRESS.enter(phase)
             return fn(self, *args, **kwargs)
 
         return run
 
-    engine._INSTRUCTION_MAP = {kind: tracked(_PIPE_PHASES.get(kind.__name__, kind.__name__), fn)
-                               for kind, fn in type(engine)._INSTRUCTION_MAP.items()}
+    ds_seams.wrap_pipeline_instructions(engine, tracked)
 
 
 def _register_expert_groups(pstate: ParallelState) -> None:
@@ -333,21 +334,13 @@ def _register_expert_groups(pstate: ParallelState) -> None:
     over the same ranks. The run's expert groups are exactly these (an earlier engine's in this process are dropped)."""
     if pstate.ep.group is None and pstate.world_size > 1:
         raise RuntimeError("a model with experts needs its expert groups: build the ParallelState with ep_size")
-    name = expert_group_name(pstate.ep.size)
-    for table in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
-                  ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-        table.clear()
-    ds_groups._EXPERT_PARALLEL_GROUP[name] = pstate.ep.group
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(pstate.ep.ranks)
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = pstate.edp.group
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(pstate.edp.ranks)
+    ds_seams.set_expert_groups(expert_group_name(pstate.ep.size), pstate.ep.group, pstate.ep.ranks, pstate.edp.group,
+                               pstate.edp.ranks)
 
 
 def is_pipeline(engine) -> bool:
     """True for DeepSpeed's pipeline engine (drive it with train_batch / eval_batch)."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    return isinstance(engine, PipelineEngine)
+    return isinstance(engine, deepspeed.PipelineEngine)
 
 
 def _plain_fp32(run: RunConfig) -> bool:

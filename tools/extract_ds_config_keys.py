@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 MARK = "__megatron_probe__"
 # pipeline: get_pipeline_config copies the section over its defaults (keys below) and the pipeline engine
@@ -75,23 +78,16 @@ def _model_keys(model, prefix, out):
                 _model_keys(cand, prefix + (field.alias or name) + ".", out)
 
 
-@contextlib.contextmanager
 def _catch_models(found):
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    from megatron import ds_seams
 
-    orig = DeepSpeedConfigModel.__init__
+    def seen(model, data):
+        if MARK not in data:
+            return data
+        found.add(model)
+        return {k: v for k, v in data.items() if k != MARK}
 
-    def init(self, strict=False, **data):
-        if MARK in data:
-            found.add(type(self))
-            data = {k: v for k, v in data.items() if k != MARK}
-        orig(self, strict=strict, **data)
-
-    DeepSpeedConfigModel.__init__ = init
-    try:
-        yield
-    finally:
-        DeepSpeedConfigModel.__init__ = orig
+    return ds_seams.watching_config_models(seen)
 
 
 def _parse(cfg):
@@ -102,20 +98,21 @@ def _parse(cfg):
 
 
 def extract() -> list[str]:
-    import deepspeed.runtime.config as dsc
-
     logging.disable(logging.CRITICAL)  # DeepSpeed warns about every key it is shown; undone below
     try:
-        return _extract(dsc)
+        return _extract()
     finally:
         logging.disable(logging.NOTSET)
 
 
-def _extract(dsc) -> list[str]:
+def _extract() -> list[str]:
+    from megatron import ds_seams
+
     seen: set[str] = set()
     _parse(Recorder(BASE, seen, ""))
-    seen |= set(dsc._REMOVED_TOP_LEVEL_CONFIG_KEYS)
-    seen |= {"zero_optimization." + k for k in dsc._REMOVED_ZERO_CONFIG_KEYS}
+    removed_top, removed_zero = ds_seams.removed_config_keys()
+    seen |= removed_top
+    seen |= {"zero_optimization." + k for k in removed_zero}
     top = sorted(k for k in seen if "." not in k)
     for key in top:
         sub, models = set(), set()

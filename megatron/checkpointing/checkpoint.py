@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as tdist
 
+from megatron import ds_seams
 from megatron.checkpointing import integrity, safe_io, space, verify
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing.async_save import AsyncSaver, PendingSave
@@ -86,7 +87,7 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfi
     # the state to host memory; the engine-specific gathering (ZeRO partitions, pipeline layers) stays the engine's.
     writer = saver.recorder(own) if saver is not None else own
     writer.failure = None
-    engine.checkpoint_engine = writer
+    ds_seams.swap_checkpoint_engine(engine, writer)
     try:
         if hzero:  # hierarchical ZeRO: every rank writes its own file, RNG state included
             meta.update(format=hzero_ckpt.FORMAT, hierarchy=hzero_ckpt.layout(engine, _ranks_per_node(engine)),
@@ -103,7 +104,7 @@ def save_checkpoint(engine, iteration: int, consumed_samples: int, run: RunConfi
             except OSError as e:  # written outside the checkpoint engine (DeepSpeed's directories, scripts)
                 failure = (e.filename or os.path.join(save_dir, tmp_tag), e)
     finally:
-        engine.checkpoint_engine = own
+        ds_seams.swap_checkpoint_engine(engine, own)
     failure = failure or writer.failure
     tmp = os.path.join(save_dir, tmp_tag)
     # Every rank's files are on disk, or copied (or failed): all agree before rank 0 commits or the writers start.
@@ -124,15 +125,12 @@ def _deepspeed_save(engine, save_dir: str, tmp_tag: str, meta: dict, pstate: Par
     # gather them over DP so every model file carries the whole list (Megatron does the same).
     rngs = comm.all_gather_object(rng_state(), group=pstate.dp.group)
     client_state = {**meta, "rng_states": rngs}
-    saved_flag = engine.save_zero_checkpoint
     try:
         ckpt_engine.drop_optimizer = settings.no_save_optim
-        if settings.no_save_optim:
-            engine.save_zero_checkpoint = False
-        engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+        with ds_seams.zero_files_skipped(engine, settings.no_save_optim):
+            engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
     finally:
         ckpt_engine.drop_optimizer = False
-        engine.save_zero_checkpoint = saved_flag
 
 
 def _ranks_per_node(engine) -> int:

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from megatron import ds_seams
 from megatron.checkpointing import safe_io
 from megatron.core.hierarchical_zero.config import parse_levels
 from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
@@ -86,8 +87,9 @@ def save_shard(engine, tmp_dir: str, rank: int, rng: dict, save_optimizer: bool)
 def checkpoint_engine(engine):
     """safe_io's engine (fsync on save, weights_only on load): the same code path as DeepSpeed's files."""
     if not isinstance(getattr(engine, "checkpoint_engine", None), safe_io.SafeCheckpointEngine):
-        engine.checkpoint_engine = safe_io.SafeCheckpointEngine(None)
-        engine.checkpoint_engine.zipfile_serialization = True  # the format validate_files' mmap check reads
+        own = safe_io.SafeCheckpointEngine(None)
+        own.zipfile_serialization = True  # the format validate_files' mmap check reads
+        ds_seams.swap_checkpoint_engine(engine, own)
     return engine.checkpoint_engine
 
 

@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from megatron import ds_seams
 from megatron.checkpointing import experts
 from megatron.checkpointing import hierarchical_zero as hzero_ckpt
 from megatron.checkpointing.full_state import VOCAB_PARAMS, canonical_name, merge_tp, shard_like
@@ -152,13 +153,13 @@ def load_moments(engine, moments: Moments, step: int, tp_size: int, tp_rank: int
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)
     # ZeRO-1/2 and the bf16 optimizer link every parameter (_hp_mapping None: no slice of it in this DP partition).
-    if any(hasattr(p, "_hp_mapping") for _, p in named):
+    if any(ds_seams.is_hp_linked(p) for _, p in named):
         for group in base.param_groups:
             flat = group["params"][0]
             base.state[flat] = {"step": torch.tensor(float(step)),
                                 **{k: torch.zeros_like(flat, dtype=torch.float32) for k in KEYS}}
         for name, p in named:
-            hp = getattr(p, "_hp_mapping", None)
+            hp = ds_seams.hp_mapping(p)
             if hp is None:
                 continue
             state = base.state[base.param_groups[hp.param_group_index]["params"][0]]

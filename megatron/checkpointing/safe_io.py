@@ -15,6 +15,7 @@ import zipfile
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from megatron import ds_seams
 from megatron.checkpointing import integrity
 from megatron.errors import CheckpointError
 
@@ -81,5 +82,5 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
 
 def install(engine) -> SafeCheckpointEngine:
     if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
-        engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
+        ds_seams.swap_checkpoint_engine(engine, SafeCheckpointEngine(ds_seams.engine_ds_config(engine)))
     return engine.checkpoint_engine

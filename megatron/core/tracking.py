@@ -1,5 +1,5 @@
-"""The one seam every process group and collective passes: DeepSpeed's comm backend (``deepspeed.comm.cdb``), through
-which our comm layer, DeepSpeed's engines, ZeRO and the pipeline's send/recv all go.
+"""The one seam every process group and collective passes: DeepSpeed's comm backend (wrapped through
+megatron/ds_seams.py), through which our comm layer, DeepSpeed's engines, ZeRO and the pipeline's send/recv all go.
 
 * ``new_group`` gets the run's --distributed-timeout-minutes: torch gives a group created without one its own default
   (30 minutes under gloo), so a hang in a group of ours or DeepSpeed's (pipeline grid, ZeRO, Ulysses) outlived the
@@ -13,19 +13,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-from deepspeed.comm import comm as ds_comm
 
+from megatron import ds_seams
 from megatron.progress import PROGRESS, Progress
-
-# Where each wrapped method of DeepSpeed's TorchBackend finds its group when passed by position (deepspeed.comm
-# passes it by keyword everywhere else).
-_GROUP_ARG = {"all_reduce": 2, "all_reduce_coalesced": 2, "inference_all_reduce": 2}
-_COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
-                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor",
-                "all_gather_base", "all_gather_coalesced", "all_gather_object", "all_to_all_single", "all_to_all",
-                "gather", "scatter", "barrier", "monitored_barrier")
-_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
-_P2P_ARG = 1  # send(tensor, dst, ...) / recv(tensor, src, ...)
 
 _group_ids: dict[int, str] = {}
 
@@ -42,7 +32,8 @@ def group_id(group) -> str:
 
 
 def _tracked(op: str, fn, progress: Progress):
-    where = _GROUP_ARG.get(op)
+    spec = ds_seams.BACKEND_OPS[op]
+    where = spec.position("group") if spec.group_by_position else None
 
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():  # inside a compiled region: no Python side effects to trace
@@ -67,12 +58,13 @@ def _recorded(progress: Progress, op: str, key: str, fn, args, kwargs):
 
 
 def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
-    peer_key = _P2P[op]
+    peer_key = ds_seams.BACKEND_OPS[op].peer
+    where = ds_seams.BACKEND_OPS[op].position(peer_key)  # send(tensor, dst, ...) / recv(tensor, src, ...)
 
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        peer = kwargs.get(peer_key, args[_P2P_ARG] if len(args) > _P2P_ARG else None)
+        peer = kwargs.get(peer_key, args[where] if len(args) > where else None)
         group = kwargs.get("group")
         if group is not None and peer is not None:
             peer = torch.distributed.get_global_rank(group, peer)
@@ -86,8 +78,8 @@ def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
 def install(timeout: timedelta, track: bool = True, progress: Progress = PROGRESS) -> None:
     """Once, right after deepspeed.init_distributed: every later group gets ``timeout``; with ``track`` every
     collective records its progress. Idempotent (a second call in one process changes nothing)."""
-    cdb = ds_comm.cdb  # the module's global: deepspeed.comm's own ``cdb`` is the copy imported before init
-    if cdb is None or getattr(cdb, "_megatron_tracking", False):
+    backend = ds_seams.unwrapped_comm_backend()
+    if backend is None:
         return
     rank = torch.distributed.get_rank()
     _group_ids.clear()  # a new world (a test's second run in one process): torch names its groups afresh
@@ -100,15 +92,10 @@ def install(timeout: timedelta, track: bool = True, progress: Progress = PROGRES
             progress.join_group(group_id(group))
         return group
 
-    cdb.new_group = new_group  # an instance attribute: deepspeed.comm.new_group calls cdb.new_group(ranks)
-    if track:
-        for op in _COLLECTIVES:
-            if hasattr(cdb, op):
-                setattr(cdb, op, _tracked(op, getattr(cdb, op), progress))
-        for op in _P2P:
-            if hasattr(cdb, op):
-                setattr(cdb, op, _tracked_p2p(op, getattr(cdb, op), progress, rank))
-    cdb._megatron_tracking = True
+    def tracked(op: str, fn):
+        return _tracked_p2p(op, fn, progress, rank) if ds_seams.BACKEND_OPS[op].peer else _tracked(op, fn, progress)
+
+    ds_seams.wrap_comm_backend(backend, new_group, tracked if track else None)
 
 
 def tracked_call(op: str, fn, *args, **kwargs):

@@ -33,6 +33,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
+from megatron import ds_seams
 from megatron.config import ModelConfig
 from megatron.core.moe.draws import token_keys
 from megatron.core.parallel_state import GroupInfo, ParallelState
@@ -275,17 +276,17 @@ class GPTModelPipe(PipelineModule):
         return self.loss_fn.last or OrderedDict([("lm loss", None), ("moe loss", None)])
 
     def _synchronize_tied_weights(self) -> None:
-        # DeepSpeed broadcasts the tied weight in place; outside no_grad autograd records the broadcast
-        # (which has no backward) into the weight's graph and warns on every backward.
+        # An override of DeepSpeed's (registered in megatron/ds_seams.py OVERRIDES). It broadcasts the tied weight
+        # in place; outside no_grad autograd records the broadcast (which has no backward) into the weight's graph
+        # and warns on every backward.
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
     def _partition_layers(self, method: str = "type:TransformerLayer") -> None:
-        # Replaces DeepSpeed's: its 'parameters' method builds every layer to count it, and its type-based
-        # split breaks ties arbitrarily; ours is analytic and puts the remainder on the first stages.
-        self.parts = self._megatron_parts
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        # Replaces DeepSpeed's (registered in megatron/ds_seams.py OVERRIDES): its 'parameters' method builds every
+        # layer to count it, and its type-based split breaks ties arbitrarily; ours is analytic and puts the
+        # remainder on the first stages.
+        ds_seams.set_pipeline_partition(self, self._megatron_parts)
 
 
 def stage_contents(cfg: ModelConfig, parts: list[int]) -> list[str]:
