@@ -71,10 +71,9 @@ _CONFIG = "deepspeed.runtime.config"
 _TOOL_SEAMS = ("removed_config_keys", "watching_config_models")  # used by tools/ only, not checked at run time
 _MARK = "_megatron_wrapped"  # set on DeepSpeed's comm backend once wrapped: a second install changes nothing
 
-_COLL = ("self", "tensor", "op", "group", "async_op")
 _P2P = ("self", "tensor", "{peer}", "group", "tag")
 BACKEND_OPS: dict[str, BackendOp] = {
-    "all_reduce": BackendOp(_COLL, group_by_position=True),
+    "all_reduce": BackendOp(("self", "tensor", "op", "group", "async_op"), group_by_position=True),
     "inference_all_reduce": BackendOp(("self", "tensor", "op", "group"), group_by_position=True),
     "all_reduce_coalesced": BackendOp(("self", "tensors", "op", "group", "async_op"), group_by_position=True),
     "reduce": BackendOp(("self", "tensor", "dst", "op", "group", "async_op")),
