@@ -62,8 +62,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ before training
     def start(self) -> None:
-        """Collective (the watchdog's store clients): lost and stuck ranks are named from here on (before the model
-        build, whose allocations and loads can hang too)."""
+        """Every rank, once its process group exists: the watchdog (its own clients of the rendezvous store), so lost
+        and stuck ranks are named from here on (before the model build, whose allocations and loads can hang too)."""
         rt, save = self.run.runtime, self.run.checkpoint.save
         self.watchdog = start_watchdog(WatchdogSettings.from_runtime(rt, save, self.failures))
 
@@ -138,6 +138,11 @@ class Supervisor:
         """Last, on every path out: the watchdog stops (after ``on_error``, this rank's silence is not clean)."""
         if self.watchdog is not None:
             self.watchdog.stop(clean=not self._failed)
+
+    @property
+    def named_stragglers(self) -> dict[int, int]:
+        """Rank -> the iteration at which the straggler report named it (empty before ``begin``)."""
+        return self.stragglers.named if self.stragglers is not None else {}
 
     # ------------------------------------------------------------------ saves
     def _save(self, it: int, consumed_samples: int) -> None:

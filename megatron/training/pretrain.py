@@ -175,7 +175,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train, num_microbatches=end_micro)
     log.close()
     return log.summary(it, consumed, decision.reason if decision.exit else None, final, evaluation.losses,
-                       supervisor.stragglers.named)
+                       supervisor.named_stragglers)
 
 
 def _announce(run: RunConfig, rank: int) -> None:
