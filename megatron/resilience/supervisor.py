@@ -87,7 +87,7 @@ class Supervisor:
             self.deadline.begin()  # the set-up above is no step
 
     # ------------------------------------------------------------------ every iteration
-    def after_step(self, it: int, res: StepValues) -> None:
+    def after_step(self, it: int, res: StepValues | float) -> None:
         """Collective, right after step ``it``: every rank's flags (signal, time, kill switch, job end, non-finite
         loss, the background save's state) in one MAX all-reduce whose read-back also brings ``res``'s loss and
         grad norm to the host (the iteration's one host sync); then the straggler report when one is due."""
