@@ -1,4 +1,4 @@
-"""What the job-end deadline (megatron/training/deadline.py) costs a training step: 2 gloo ranks run a tiny
+"""What the job-end deadline (megatron/resilience/deadline.py) costs a training step: 2 gloo ranks run a tiny
 data-parallel step (forward, backward, gradient all-reduce, SGD) followed by RunControl's flags exchange, in
 alternating blocks without and with rank 0's Deadline. Reports every collective issued per step in each mode
 (they must be equal: the verdict rides the existing flags all-reduce), the step-time ratio with its spread, and
@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training import deadline as dl  # noqa: E402
-from megatron.training.control import RunControl  # noqa: E402
+from megatron.resilience import deadline as dl  # noqa: E402
+from megatron.resilience.control import RunControl  # noqa: E402
 
 
 def _counting() -> dict[str, int]:

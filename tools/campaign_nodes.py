@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron.training.failure_record import hosts_to_exclude, read_records  # noqa: E402
+from megatron.resilience.failure_record import hosts_to_exclude, read_records  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron.training.run_files import read_save_time  # noqa: E402
+from megatron.resilience.run_files import read_save_time  # noqa: E402
 
 # (first node count, last node count, walltime limit in hours): OLCF's Frontier batch bins (shared FRONTIER.md)
 BINS = ((1, 91, 2), (92, 183, 6), (184, 1881, 12), (1882, 5644, 12), (5645, 9472, 12))

@@ -22,7 +22,7 @@ class RuntimeConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     job_end_margin_secs: float | None = None
-    """Under Slurm: kept free beyond the next step and a save before the job's end (megatron/training/deadline.py);
+    """Under Slurm: kept free beyond the next step and a save before the job's end (megatron/resilience/deadline.py);
     None: max(2 step times, 20% of the predicted save, 15 s)."""
     kill_switch_file: str | None = None
     max_nonfinite_loss_iters: int = 3

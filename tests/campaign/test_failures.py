@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from megatron.training.failure_record import read_records
+from megatron.resilience.failure_record import read_records
 from tests.campaign.common import TINY, Place, iterations_logged, log_of, non_loopback_ip
 
 

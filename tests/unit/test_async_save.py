@@ -114,7 +114,7 @@ def _launch(saver: AsyncSaver, tmp_path, iteration: int, tensor: torch.Tensor) -
 
 
 def test_latest_moves_only_after_every_rank_reported_its_files_durable(tmp_path, monkeypatch):
-    from megatron.training.control import RunControl
+    from megatron.resilience.control import RunControl
 
     run, sent = _one_rank(monkeypatch, tmp_path)
     saver = AsyncSaver(run)

@@ -67,7 +67,7 @@ def test_guard_refuses_a_host_tensor_on_nccl(nccl):
 
 
 def test_run_control_flags_and_step_values(nccl):
-    from megatron.training.control import RunControl
+    from megatron.resilience.control import RunControl
 
     control = RunControl(None, None, None, max_nonfinite=3, saving=False)
     try:
@@ -85,7 +85,7 @@ def test_kill_switch_file_is_agreed_through_the_flags_all_reduce(monkeypatch, tm
     stat each iteration); the decision is save and exit, naming the file. One rank: the all-reduce is identity."""
     import os
 
-    from megatron.training.control import RunControl
+    from megatron.resilience.control import RunControl
 
     sent = []
     monkeypatch.setattr(comm, "reduce_host", lambda values, *a, **k: sent.append(list(values)) or list(values))
@@ -234,7 +234,7 @@ class _TinyLM(torch.nn.Module):
 
 def test_train_step_makes_one_host_sync_per_iteration(monkeypatch):
     """No sync per parameter or per micro-batch inside the step; the control exchange reads everything back once."""
-    from megatron.training.control import RunControl
+    from megatron.resilience.control import RunControl
     from megatron.training.step import train_step
 
     torch.manual_seed(0)

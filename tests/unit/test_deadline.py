@@ -1,4 +1,4 @@
-"""megatron/training/deadline.py on one process with a fake clock: when rank 0 says "stop now", what it predicts
+"""megatron/resilience/deadline.py on one process with a fake clock: when rank 0 says "stop now", what it predicts
 a save costs, what it logs, and that its verdict rides the one flags all-reduce of RunControl (no collective of
 its own). Also the small run files (finished marker, save-time record) and the failure records."""
 
@@ -15,9 +15,9 @@ import pytest
 from megatron.arguments import parse_args, run_config_from_args
 from megatron.core import comm
 from megatron.progress import this_host
-from megatron.training import deadline as dl
-from megatron.training import failure_record as fr
-from megatron.training import run_files
+from megatron.resilience import deadline as dl
+from megatron.resilience import failure_record as fr
+from megatron.resilience import run_files
 
 END = 10_000.0
 
@@ -200,7 +200,7 @@ def test_no_deadline_outside_slurm_or_off_rank_0(capsys, monkeypatch):
 def test_the_verdict_rides_the_one_flags_all_reduce(monkeypatch, tmp_path):
     """Rank 0's deadline adds one value to RunControl's reduce_host (MAX); there is no other collective. A rank
     without a deadline contributes 0 and follows the agreed flag."""
-    from megatron.training.control import RunControl
+    from megatron.resilience.control import RunControl
 
     sent = []
     peer = {"ending": 0.0}
@@ -278,7 +278,7 @@ def test_a_save_in_flight_is_drained_before_the_stop_and_counted(monkeypatch, tm
     """--async-save: a stop first finishes the save in flight, so the deadline adds the slowest rank's remaining
     write (agreed in the previous flags all-reduce; unknown before its first file: a whole save). With 30 s of drain
     the run stops earlier than without."""
-    from megatron.training.control import UNKNOWN_DRAIN, RunControl
+    from megatron.resilience.control import UNKNOWN_DRAIN, RunControl
 
     calls = []
     saver = SimpleNamespace(status=lambda: [1.0, 0.0], on_agreed=lambda values: None,

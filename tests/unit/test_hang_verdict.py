@@ -1,9 +1,9 @@
-"""The hang verdict from published positions (megatron/training/hang_verdict.py), and the progress record it reads."""
+"""The hang verdict from published positions (megatron/resilience/hang_verdict.py), and the progress record it reads."""
 
 import re
 
 from megatron.progress import COMM, Progress, describe_out_of_memory, is_out_of_memory
-from megatron.training.hang_verdict import judge
+from megatron.resilience.hang_verdict import judge
 
 
 def pos(it, phase, coll=None, counts=None, age=40.0, host="h", gcd="-", err=None):

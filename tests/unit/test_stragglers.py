@@ -1,4 +1,4 @@
-"""The straggler report's arithmetic on given tables (megatron/training/stragglers.py): the slowest ranks against the
+"""The straggler report's arithmetic on given tables (megatron/resilience/stragglers.py): the slowest ranks against the
 median, a rank named once after K reports in a row, the per-rank TensorBoard view, the automatic interval."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 
 from megatron.config.runtime import RuntimeConfig
-from megatron.training.failure_record import FailureLog
-from megatron.training.stragglers import COLUMNS, StragglerDetector
+from megatron.resilience.failure_record import FailureLog
+from megatron.resilience.stragglers import COLUMNS, StragglerDetector
 
 
 class Writer:

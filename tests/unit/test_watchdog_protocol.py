@@ -12,8 +12,8 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from megatron.progress import Identity, Progress
-from megatron.training import watchdog as wd
-from megatron.training.failure_record import FailureLog
+from megatron.resilience import watchdog as wd
+from megatron.resilience.failure_record import FailureLog
 from tests.launcher import free_port
 
 

@@ -18,9 +18,10 @@ EOD = 0  # <|endoftext|> in that vocab.json
 def _pretrain_recording(argv: list[str]) -> dict:
     import pretrain_gpt
     from megatron.training import pretrain as pt
+    from megatron.training import streams
 
     calls, asked, masks = [], [], []
-    real_microbatches, real_datasets = pt.microbatches, pretrain_gpt.datasets_provider
+    real_microbatches, real_datasets = streams.microbatches, pretrain_gpt.datasets_provider
 
     def forward_step(model, batch):  # what --eod-mask-loss put beside the tokens: (mask, upstream's mask)
         masks.append((batch.get("loss_mask"), (batch["text"][:, :-1] != EOD).float()))
@@ -34,7 +35,7 @@ def _pretrain_recording(argv: list[str]) -> dict:
         asked.append(tuple(num_samples))
         return real_datasets(run, tokenizer, num_samples)
 
-    pt.microbatches = microbatches
+    streams.microbatches = microbatches
     summary = pretrain_gpt.pretrain_from_flags(argv, pt.Providers(pretrain_gpt.model_provider, datasets, forward_step,
                                                                   pretrain_gpt.tokenizer_provider))
     return {"calls": calls, "asked": asked, "iterations": summary["iterations"], "masks": masks}

@@ -11,7 +11,7 @@ jobs: ``beat_interval``).
 * Stuck: each rank checks locally that its main thread moves (megatron/progress.py: phase, collective). A rank still
   for longer than its allowance (--hang-timeout; saves and start-up have their own) adds itself to a ``stalled``
   counter once; when that counter reaches the world size, no rank has moved for the allowance: every rank publishes
-  its position once, rank 0 computes the verdict (megatron/training/hang_verdict.py), the culprits, a few ranks
+  its position once, rank 0 computes the verdict (megatron/resilience/hang_verdict.py), the culprits, a few ranks
   waiting on them and rank 0 write their Python stacks (all threads) to the run folder, and every rank exits
   non-zero with the verdict's line. A collective that fails first (its timeout, a lost peer) asks for the same
   census at once, so the verdict still names the rank that never arrived.
@@ -33,8 +33,8 @@ import torch.distributed as tdist
 
 from megatron.config.runtime import RuntimeConfig
 from megatron.progress import LONG_PHASES, PROGRESS, STARTUP_PHASES, Progress, describe_out_of_memory, is_out_of_memory
-from megatron.training.failure_record import LOST_RANK, FailureLog
-from megatron.training.hang_verdict import Verdict, judge
+from megatron.resilience.failure_record import LOST_RANK, FailureLog
+from megatron.resilience.hang_verdict import Verdict, judge
 
 EXIT_CODE = 3
 DONE = 1 << 40
@@ -70,10 +70,11 @@ class WatchdogSettings:
     """The run's failure record (--save's failures.jsonl; None without --save)."""
 
     @classmethod
-    def from_runtime(cls, rt: RuntimeConfig, save: str | None) -> WatchdogSettings:
+    def from_runtime(cls, rt: RuntimeConfig, save: str | None, failures: FailureLog | None) -> WatchdogSettings:
+        """``save``: --save (the run folder); ``failures``: its failure record."""
         collective = rt.collective_timeout_s
         return cls(rt.watchdog_timeout_secs, rt.hang_timeout, rt.hang_timeout_save or collective,
-                   rt.hang_timeout_startup or collective, collective, save or os.getcwd(), FailureLog.in_folder(save))
+                   rt.hang_timeout_startup or collective, collective, save or os.getcwd(), failures)
 
 
 def beat_interval(timeout: float, hang_timeout: float | None, world: int) -> float:
@@ -141,7 +142,7 @@ class Watchdog:
         watchdog thread exits the process); returns if none comes."""
         if self._stop.is_set():
             return
-        if is_out_of_memory(error):  # (pretrain records it in the failure record)
+        if is_out_of_memory(error):  # (the supervisor records it in the failure record)
             line = describe_out_of_memory(error, self.progress)
             self._own_verdict = True
             with contextlib.suppress(RuntimeError, OSError):

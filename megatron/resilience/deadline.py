@@ -5,7 +5,7 @@ background thread every few minutes since ``scontrol update TimeLimit=`` moves i
 predicted save time (the last save measured in this run, kept in ``--save``/save_time.json across jobs; before
 any, the checkpoint's bytes over a measured write rate of the ``--save`` file system). After every iteration it
 asks: would the next step, a save and the margin still fit? Its answer rides the flags all-reduce of
-megatron/training/control.py, so every rank stops at the same iteration without a collective of its own.
+megatron/resilience/control.py, so every rank stops at the same iteration without a collective of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron.checkpointing.space import checkpoint_bytes
 from megatron.config import RunConfig
-from megatron.training.run_files import read_save_time, write_save_time
+from megatron.resilience.run_files import read_save_time, write_save_time
 
 MIN_MARGIN_S = 15.0
 STEP_WINDOW = 8

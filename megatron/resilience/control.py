@@ -1,6 +1,6 @@
 """When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins, --kill-switch-file,
-SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``), the Slurm job's end (megatron/training/deadline.py)
-and persistent non-finite losses.
+SIGTERM/SIGUSR1 from Slurm (``#SBATCH --signal=USR1@120``), the Slurm job's end (megatron/resilience/deadline.py)
+and persistent non-finite losses. megatron/resilience/supervisor.py wires it for the loop.
 
 A signal handler only sets a flag. At each iteration boundary every rank contributes its flags to one
 small MAX all-reduce, so all ranks take the same decision at the same iteration (a rank that saves
@@ -14,16 +14,16 @@ import math
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.core import comm
 from megatron.errors import TrainingError
-from megatron.training.deadline import Deadline
-from megatron.training.step import StepResult
+from megatron.resilience.deadline import Deadline
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 UNKNOWN_DRAIN = 1e9
@@ -35,6 +35,16 @@ class Decision:
     save: bool = False
     exit: bool = False
     reason: str = ""
+
+
+class StepValues(Protocol):
+    """A step's outcome whose values may still be on the device (megatron/training/step.py's StepResult)."""
+
+    loss_value: torch.Tensor | float
+
+    def pending(self) -> list[torch.Tensor]: ...
+
+    def resolve(self, read: Sequence[float]) -> None: ...
 
 
 class Flags(NamedTuple):
@@ -86,18 +96,18 @@ class RunControl:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def after_iteration(self, it: int, loss: float | torch.Tensor | StepResult) -> Decision:
+    def after_iteration(self, it: int, loss: float | torch.Tensor | StepValues) -> Decision:
         """Collective over all ranks: ``decide(it, exchange(loss))``."""
         return self.decide(it, self.exchange(loss))
 
-    def exchange(self, loss: float | torch.Tensor | StepResult) -> Flags:
+    def exchange(self, loss: float | torch.Tensor | StepValues) -> Flags:
         """Collective: (signal, timed out, non-finite loss, kill switch, job end near, the background save's state) on
         any rank, one small MAX all-reduce.
 
-        ``loss`` may be a StepResult whose values are still on the device: its finiteness is tested there and
+        ``loss`` may be a step's outcome whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
         timed_out = self.exit_duration_s is not None and time.monotonic() - self.start > self.exit_duration_s
-        res = loss if isinstance(loss, StepResult) else None
+        res = None if isinstance(loss, (int, float, torch.Tensor)) else loss
         value = res.loss_value if res is not None else loss
         if isinstance(value, torch.Tensor):
             bad = (~torch.isfinite(value)).reshape(1)  # tested where the loss is: no sync

@@ -6,7 +6,7 @@ tools/check_job.py read them without torch).
   the run cancels its pending successor, a job that starts on a finished run exits 0 at once. To train further,
   raise the target and delete the marker.
 - ``save_time.json``: the last checkpoint save measured in this run, and the step time then
-  (megatron/training/deadline.py predicts the next job's saves from it).
+  (megatron/resilience/deadline.py predicts the next job's saves from it).
 """
 
 from __future__ import annotations

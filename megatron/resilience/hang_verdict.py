@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatron.progress import describe
-from megatron.training.failure_record import COLLECTIVE_HANG, LOST_RANK, STUCK_RANK
+from megatron.resilience.failure_record import COLLECTIVE_HANG, LOST_RANK, STUCK_RANK
 
 NAMED = 4
 """Culprits named in the line (the count of the rest follows)."""

@@ -19,7 +19,7 @@ import torch
 from megatron.config.runtime import RuntimeConfig
 from megatron.core import comm
 from megatron.progress import COMM, PROGRESS, WORK_PHASES, Identity, Progress
-from megatron.training.failure_record import STRAGGLER, FailureLog
+from megatron.resilience.failure_record import STRAGGLER, FailureLog
 
 AUTO_INTERVAL = 100
 COST_SHARE = 0.005
