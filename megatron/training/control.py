@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.core import comm
 from megatron.errors import TrainingError
 from megatron.training.deadline import Deadline

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
-from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
-from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing import Checkpointer, Resume, open_checkpoint
+from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
 from megatron.core.parallel_state import ParallelState
@@ -112,13 +112,15 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
         print_rank0(model_features(model), rank)
-        full = load_full_state(model, run, pstate, run.checkpoint)  # a full-state --load goes in before ZeRO
+        checkpointer = open_checkpoint(run, pstate, ds_config)  # what --load holds; the format this engine writes
+        checkpointer.load_into_model(model)  # a full-state or upstream --load goes in before ZeRO partitions it
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         PROGRESS.enter("load")
-        resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
-        return _train(run, pstate, engine, providers, tokenizer, resume, eod, max(1, ranks.local_world_size))
+        resume = checkpointer.resume(engine)
+        return _train(run, pstate, engine, providers, tokenizer, checkpointer, resume, eod,
+                      max(1, ranks.local_world_size))
     except BaseException as e:
         failed = True
         # A MegatronError not marked every_rank is raised by every rank at the same point: they can still meet.
@@ -138,9 +140,9 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
 
 
 def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, tokenizer: Vocabulary,
-           resume: Resume, eod: int | None = None, ranks_per_node: int = 1) -> dict:
-    """The training loop. ``eod``: the end-of-document token --eod-mask-loss masks (None: no mask).
-    ``ranks_per_node``: ranks sharing this host's memory (--async-save's host copies)."""
+           checkpointer: Checkpointer, resume: Resume, eod: int | None = None, ranks_per_node: int = 1) -> dict:
+    """The training loop. ``checkpointer``: saves to --save. ``eod``: the end-of-document token --eod-mask-loss masks
+    (None: no mask). ``ranks_per_node``: ranks sharing this host's memory (--async-save's host copies)."""
     opts, ckpt, t = run.logging, run.checkpoint, run.training
     rank = pstate.global_rank
     gbs = t.global_batch_size
@@ -192,7 +194,7 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     def save(it: int) -> None:
         PROGRESS.enter("save")
         began = time.monotonic()
-        save_checkpoint(engine, it, consumed, run, pstate, saver)
+        checkpointer.save(engine, it, consumed, saver)
         if deadline is not None and saver is None:  # the measure the next save is predicted from (this job, the next)
             deadline.saved(time.monotonic() - began, it)
 

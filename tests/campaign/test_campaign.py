@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.checkpointing import verify
+from megatron.checkpointing.live import verify
 from tests.campaign.common import Place, iterations_logged, log_of
 
 ITERS = 32

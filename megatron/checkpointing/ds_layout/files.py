@@ -1,10 +1,15 @@
-"""Expert parameters across layouts: DeepSpeed names a rank's experts by local index in the model and its optimizer
-files (``...deepspeed_experts.<local>...``) and by global index in its per-expert files; the full state uses the global
-index (expert ``ep_rank x local experts + local``), so experts merge and reshard over EP like TP shards.
+"""The files of DeepSpeed's own checkpoint layout (``global_stepN/`` as its engines write it) and where experts and
+their optimizer slices sit in them.
 
-DeepSpeed's groups (``deepspeed/utils/groups.py``, ours in megatron/topology.py): the expert-parallel groups are
-consecutive data-parallel ranks, so DP rank ``d`` holds the experts of EP rank ``d % ep`` and, within their replicas
-(the expert-data-parallel group that ZeRO partitions expert optimizer state over), is replica ``d // ep``.
+Per model-parallel rank ``mp_rank_XX_model_states.pt`` (``zero_pp_rank_D_mp_rank_XX_model_states.pt`` per DP rank at
+ZeRO-3), the ZeRO optimizer partitions ``[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt``, the pipeline engine's
+``layer_II-model_TT-model_states.pt`` and DeepSpeed-MoE's per-expert ``layer_M_expert_E_mp_rank_XX_model_states.pt``.
+
+Experts: DeepSpeed names a rank's experts by local index in the model and optimizer files and by global index in its
+per-expert files; the full state uses the global index (expert ``ep_rank x local experts + local``). DeepSpeed's groups
+(``deepspeed/utils/groups.py``, ours in megatron/topology.py): the expert-parallel groups are consecutive
+data-parallel ranks, so DP rank ``d`` holds the experts of EP rank ``d % ep`` and, within their replicas (the
+expert-data-parallel group that ZeRO partitions expert optimizer state over), is replica ``d // ep``.
 """
 
 from __future__ import annotations
@@ -12,35 +17,42 @@ from __future__ import annotations
 import os
 import re
 
-import torch
-
-from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.live.safe_io import safe_load
+from megatron.model.param_names import expert_index, expert_layer_key, experts_per_layer, to_global
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+OPTIM_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
+OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def expert_index(name: str) -> int | None:
-    """The expert index a parameter name carries (local or global by context), None for non-expert parameters."""
-    m = _EXPERT.match(name)
-    return int(m.group(2)) if m else None
+def model_file(ckpt_dir: str, mp: int) -> str:
+    """The model file of model-parallel rank ``mp`` (stage x TP + TP rank under the pipeline engine)."""
+    return os.path.join(ckpt_dir, f"mp_rank_{mp:02d}_model_states.pt")
 
 
-def with_expert(name: str, index: int) -> str:
-    """``name`` with its expert index replaced by ``index``."""
-    m = _EXPERT.match(name)
-    return f"{m.group(1)}{index}{m.group(3)}"
+def expected_files(meta: dict, present: set[str]) -> list[str]:
+    """Files a checkpoint without a manifest must hold, from the layout in its megatron_meta.json: model files per
+    model-parallel rank, ZeRO files per DP x MP rank, pipeline layer files per TP rank. ``present`` (the directory's
+    names) settles what the layout leaves open: the bf16_ prefix DeepSpeed's bf16 optimizer adds, and how many
+    pipeline layer files there are."""
 
-
-def ep_coords(dp_rank: int, ep_size: int) -> tuple[int, int]:
-    """(EP rank, replica index in the expert-data-parallel group) of a data-parallel rank."""
-    return dp_rank % ep_size, dp_rank // ep_size
-
-
-def to_global(name: str, ep_rank: int, num_local: int) -> str:
-    """A rank-local expert name under its global index (non-expert names unchanged)."""
-    i = expert_index(name)
-    return name if i is None else with_expert(name, ep_rank * num_local + i)
+    p = (meta.get("run") or {}).get("parallel") or {}
+    tp, pp = int(p.get("tensor_model_parallel_size", 1)), int(p.get("pipeline_model_parallel_size", 1))
+    world, zero = int(p.get("world_size", tp * pp)), int(p.get("zero_stage", 0))
+    dp, mp = max(1, world // (tp * pp)), tp * pp
+    names = []
+    if zero == 3:
+        names += [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(dp) for m in range(mp)]
+    else:
+        names += [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
+    if zero >= 1 and meta.get("has_optimizer", True):
+        prefix = "bf16_" if any(n.startswith("bf16_zero_pp_rank_") for n in present) else ""
+        names += [f"{prefix}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(dp) for m in range(mp)]
+    layers = [int(m.group(1)) for n in present if (m := re.match(r"layer_(\d+)-model_\d+-model_states\.pt$", n))]
+    if layers:  # pipeline engine: every layer index up to the last one seen, each for every TP rank
+        names += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(max(layers) + 1) for t in range(tp)]
+    return names
 
 
 def expert_files(path: str) -> list[tuple[int, int, int, str]]:
@@ -53,38 +65,17 @@ def expert_files(path: str) -> list[tuple[int, int, int, str]]:
     return sorted(out)
 
 
-def local_counts(names) -> dict[str, int]:
-    """{layer prefix (the name up to ``deepspeed_experts.``): experts named} over a set of global names."""
-    seen: dict[str, set[int]] = {}
-    for n in names:
-        if m := _EXPERT.match(n):
-            seen.setdefault(m.group(1), set()).add(int(m.group(2)))
-    return {k: len(v) for k, v in seen.items()}
+def counts_in_files(path: str) -> dict[str, int]:
+    """{layer prefix: experts} from the names inside a directory's per-expert files (global indices)."""
+    names = set()
+    for *_, f in expert_files(path):
+        names.update(safe_load(f, mmap=True).keys())
+    return experts_per_layer(names)
 
 
-def layer_key(name: str) -> str | None:
-    m = _EXPERT.match(name)
-    return m.group(1) if m else None
-
-
-def expert_offsets(module: torch.nn.Module) -> dict[str, int]:
-    """{parameter name: global index of its expert minus its local index} for this rank's expert parameters
-    (megatron/model/moe.py's MoE: ``deepspeed_moe.ep`` is the EP group, ``num_local_experts`` its share)."""
-    out = {}
-    for n, m in module.named_modules():
-        ep = getattr(getattr(m, "deepspeed_moe", None), "ep", None)
-        if ep is None or not hasattr(m, "num_local_experts"):
-            continue
-        for pn, _ in m.deepspeed_moe.experts.named_parameters():
-            out[f"{n}.deepspeed_moe.experts.{pn}" if n else f"deepspeed_moe.experts.{pn}"] = (
-                ep.rank * m.num_local_experts)
-    return out
-
-
-def globalize(param_name: str, canonical: str, offsets: dict[str, int]) -> str:
-    """The full-state name of a model parameter: ``canonical`` with a local expert index made global."""
-    off = offsets.get(param_name)
-    return canonical if off is None else with_expert(canonical, expert_index(canonical) + off)
+def ep_coords(dp_rank: int, ep_size: int) -> tuple[int, int]:
+    """(EP rank, replica index in the expert-data-parallel group) of a data-parallel rank."""
+    return dp_rank % ep_size, dp_rank // ep_size
 
 
 def place(name: str, dp_rank: int, ep_size: int, per_layer: dict[str, int]) -> tuple[str, int]:
@@ -94,12 +85,4 @@ def place(name: str, dp_rank: int, ep_size: int, per_layer: dict[str, int]) -> t
     if expert_index(name) is None:
         return name, dp_rank
     ep_rank, replica = ep_coords(dp_rank, ep_size)
-    return to_global(name, ep_rank, per_layer[layer_key(name)] // ep_size), replica
-
-
-def counts_in_files(path: str) -> dict[str, int]:
-    """{layer prefix: experts} from the names inside a directory's per-expert files (global indices)."""
-    names = set()
-    for *_, f in expert_files(path):
-        names.update(safe_load(f, mmap=True).keys())
-    return local_counts(names)
+    return to_global(name, ep_rank, per_layer[expert_layer_key(name)] // ep_size), replica
