@@ -1,5 +1,6 @@
 """Our full state dict <-> HF transformers: GPT2LMHeadModel (GPT-2 variant), LlamaForCausalLM (Llama variant) and
-GPTNeoXForCausalLM (layernorm + GELU + rotary, the variant partial rotary --rotary-percent exports to).
+GPTNeoXForCausalLM (layernorm + GELU + rotary, the variant partial rotary --rotary-percent exports to). The names on
+both sides are megatron/model/param_names.py's; this module does the arithmetic.
 
 Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py):
 - GPT-2's c_attn / c_proj / c_fc are ``Conv1D``: weights are stored [in, out], the transpose of nn.Linear.
@@ -338,7 +339,7 @@ def matching_flags(m: dict) -> list[str]:
         if key in m:
             flags += [flag, m[key]]
     moe = m.get("moe") or {}
-    if any(n > 1 for n in moe.get("num_experts", [1])):  # an imported Mixtral / Qwen2-MoE (hf_moe.py)
+    if any(n > 1 for n in moe.get("num_experts", [1])):  # an imported Mixtral / Qwen2-MoE (moe.py)
         flags += ["--num-experts", *moe["num_experts"], "--expert-interval", moe["expert_interval"], "--topk",
                   moe["topk"]]
         flags += ["--disable-moe-token-dropping"] if not moe.get("moe_token_dropping", True) else []

@@ -51,22 +51,24 @@ def header(found: Found, trust: bool) -> tuple[dict, int, int]:
 def first_args(found: Found, trust: bool) -> dict:
     """Upstream's parsed flags (``args``) as a dict, from the first model file."""
     if found.kind in ("deepspeed", "universal"):
-        names = sorted(f for f in os.listdir(found.path) if MP_FILE.match(f))
-        if not names:
-            raise CheckpointError(f"checkpoint {found.path} has no mp_rank_XX_model_states.pt: the run's state is "
-                                  "missing")
-        path = os.path.join(found.path, names[0])
+        path = os.path.join(found.path, _mp_files(found.path)[0][1])
     else:
         path = os.path.join(found.path, sorted(d for d in os.listdir(found.path) if ITER_RANK.match(d))[0],
                             "model_optim_rng.pt")
     return args_of(load_file(path, trust), path)
 
 
-def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converted:
-    path = found.path
+def _mp_files(path: str) -> list[tuple[int, str]]:
+    """(model-parallel rank, file name) of a global_stepN/'s model files, which hold the run's state."""
     mp_files = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := MP_FILE.match(f)))
     if not mp_files:
         raise CheckpointError(f"checkpoint {path} has no mp_rank_XX_model_states.pt: the run's state is missing")
+    return mp_files
+
+
+def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converted:
+    path = found.path
+    mp_files = _mp_files(path)
     states = {r: load_file(os.path.join(path, f), trust) for r, f in mp_files}  # pipeline: args/RNG only
     first_file, first = os.path.join(path, mp_files[0][1]), states[mp_files[0][0]]
     a = args_of(first, first_file)
