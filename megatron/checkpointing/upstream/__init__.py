@@ -17,8 +17,8 @@ from megatron.checkpointing.upstream.layout import (
 )
 from megatron.checkpointing.upstream.mapping import qkv_to_ours
 from megatron.checkpointing.upstream.reader import find, first_args, header, read
-from megatron.checkpointing.upstream.resume import UpstreamFormat, check_upstream, load_upstream, rng_for, vocab_rows
+from megatron.checkpointing.upstream.resume import check_upstream, load_upstream, rng_for, vocab_rows
 from megatron.checkpointing.upstream.unpickle import load_file
 
-__all__ = ["Converted", "Found", "UpstreamFormat", "check_upstream", "describe", "find", "first_args", "header",
-           "load_file", "load_upstream", "qkv_to_ours", "read", "rng_for", "unknown_layout_message", "vocab_rows"]
+__all__ = ["Converted", "Found", "check_upstream", "describe", "find", "first_args", "header", "load_file",
+           "load_upstream", "qkv_to_ours", "read", "rng_for", "unknown_layout_message", "vocab_rows"]
