@@ -25,6 +25,9 @@ SHAPE_FIELDS = {
 # A real heading of docs/checkpoints.md (tests/unit/test_preflight.py checks that the anchor exists).
 RESHARD_DOC = "docs/checkpoints.md#resharding-full-state-conversion"
 
+_CONVERT = "convert it first: python tools/reshard_checkpoint.py --load {where} --save NEW_DIR and --load NEW_DIR"
+"""The fix for a layout a checkpoint of ours cannot resume at directly (TP, PP, EP): a full state loads at any."""
+
 HZERO_RESHARD = ("Launch the same layout, or convert: python tools/reshard_checkpoint.py --load {where} --save FULL, "
                  "then --load FULL (weights and Adam moments carry over)")
 """The fix for hierarchical ZeRO shards that do not fit this run (also hzero/shards.py's check after the engine)."""
@@ -46,9 +49,8 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
                                  ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"))
                if p[key] != getattr(run.parallel, key)]
     if changed:  # every changed flag is named: fixing one at a time would cost a launch each
-        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or convert it "
-                          f"first: python tools/reshard_checkpoint.py --load {where} --save NEW_DIR and --load "
-                          f"NEW_DIR (see {RESHARD_DOC})")
+        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or "
+                          f"{_CONVERT.format(where=where)} (see {RESHARD_DOC})")
     # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
     # even without the optimizer.
 
@@ -119,8 +121,7 @@ def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) ->
                           "checkpoint's values for these flags")
     if run.model.moe.enabled and saved_ep != run.parallel.ep:
         raise ConfigError(f"--load {where}: saved with --moe-expert-parallel-size {saved_ep}, now {run.parallel.ep}: "
-                          "keep the expert-parallel size, or convert it first: python tools/reshard_checkpoint.py "
-                          f"--load {where} --save NEW_DIR and --load NEW_DIR")
+                          f"keep the expert-parallel size, or {_CONVERT.format(where=where)}")
 
 
 def _shown(v):
