@@ -168,7 +168,7 @@ def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float, sigterm_a
     from megatron.training import log
 
     events = []
-    write, commit, logged, say = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration, async_save._say
+    write, commit, logged, say = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration, async_save.say
 
     def slowed(obj, path, zipfile=True):
         if slow_tag in path:
@@ -190,5 +190,5 @@ def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float, sigterm_a
         say(msg)
 
     integrity.write_torch, async_save.commit, log.TrainingLogger.iteration = slowed, committing, iteration
-    async_save._say = saying
+    async_save.say = saying
     return {**_pretrain(argv), "events": events}
