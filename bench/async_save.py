@@ -16,7 +16,7 @@ times:
 Every checkpoint file write is slowed to ``--mb-per-s`` per rank (a token bucket under the hashing writer, in both
 saving variants), so one save spans many steps as on a busy Lustre. Rank 0 records, per iteration, the step's own time
 (StepProfiler.begin to the log; the save call after it is not in it) and whether a background save was in flight
-during the whole step, and the time each save_checkpoint call blocked the loop. Reported: median step while a save is
+during the whole step, and the time each Checkpointer.save call blocked the loop. Reported: median step while a save is
 in flight / median step with no save (target <= 1.15 on this 2-core VM, where the writer shares the cores), and median
 blocking per async save / median synchronous save (target <= 0.10), each per repetition and as min-max over them.
 
@@ -70,7 +70,7 @@ class Throttled:
 
 
 def _slow_files(rate: float) -> None:
-    from megatron.checkpointing import integrity
+    from megatron.checkpointing.live import integrity
 
     init = integrity.HashingWriter.__init__
 
@@ -82,13 +82,14 @@ def _slow_files(rate: float) -> None:
 
 def _measured_pretrain(argv: list[str], rate: float) -> dict:
     """On each rank: pretrain with the slowed writes; rank 0's per-step records and per-save blocking times."""
-    from megatron.checkpointing import async_save
-    from megatron.training import log, pretrain, profiler
+    from megatron.checkpointing import Checkpointer
+    from megatron.checkpointing.live import async_save
+    from megatron.training import log, profiler
 
     _slow_files(rate)
     savers, begun, steps, blocks = [], {}, [], []
     init, begin, logged, save = (async_save.AsyncSaver.__init__, profiler.StepProfiler.begin,
-                                 log.TrainingLogger.iteration, pretrain.save_checkpoint)
+                                 log.TrainingLogger.iteration, Checkpointer.save)
 
     def saver_init(self, *a, **k):
         init(self, *a, **k)
@@ -111,7 +112,7 @@ def _measured_pretrain(argv: list[str], rate: float) -> dict:
         return out
 
     async_save.AsyncSaver.__init__, profiler.StepProfiler.begin = saver_init, step_begin
-    log.TrainingLogger.iteration, pretrain.save_checkpoint = step_logged, timed_save
+    log.TrainingLogger.iteration, Checkpointer.save = step_logged, timed_save
     from tests.checkpointing.common import _pretrain
 
     _pretrain(argv)
@@ -134,7 +135,7 @@ def _variant(kind: str, args, save_dir: str) -> dict:
 
 
 def _ckpt_bytes(save_dir: str) -> int:
-    from megatron.checkpointing.locate import read_latest
+    from megatron.checkpointing.live.markers import read_latest
 
     d = os.path.join(save_dir, read_latest(save_dir))
     return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
@@ -185,7 +186,7 @@ def _small_model():
 
 
 def _write_state(state: dict, path: str, rate: float) -> None:
-    from megatron.checkpointing import integrity
+    from megatron.checkpointing.live import integrity
 
     _slow_files(rate)
     integrity.write_torch(state, path)

@@ -43,7 +43,7 @@ def _state(n_bytes: int, seed: int) -> dict:
 def _save(states: list, d: str, verified: bool) -> float:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from megatron.checkpointing import atomic, integrity, safe_io
+    from megatron.checkpointing.live import atomic, integrity, safe_io
 
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -62,7 +62,7 @@ def _save(states: list, d: str, verified: bool) -> float:
 
 
 def _load(d: str, verified: bool) -> float:
-    from megatron.checkpointing import integrity, safe_io
+    from megatron.checkpointing.live import integrity, safe_io
 
     names = sorted(n for n in os.listdir(d) if n.endswith(".pt"))
     start = time.perf_counter()
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     import torch
     import xxhash
 
-    from megatron.checkpointing import integrity
+    from megatron.checkpointing.live import integrity
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.25, help="checkpoint size (all files together)")

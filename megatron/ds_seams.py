@@ -149,11 +149,11 @@ OVERRIDES: tuple[Override, ...] = (
              "our expert groups exist already (set_expert_groups); DeepSpeed's would make its own",
              f"{_ENGINE}._configure_distributed_model",
              "module.set_deepspeed_parallelism(self._config.use_data_before_expert_parallel_)"),
-    Override("megatron.checkpointing.safe_io.SafeCheckpointEngine", f"{_TORCH_CKPT}.save",
+    Override("megatron.checkpointing.live.safe_io.SafeCheckpointEngine", f"{_TORCH_CKPT}.save",
              ("self", "state_dict", "path"), "hash and fsync every file DeepSpeed writes (DeepSpeed passes them by "
              "keyword in places)", f"{_ENGINE}._save_checkpoint", "self.checkpoint_engine.save(state_dict=state, "
              "path=save_path)"),
-    Override("megatron.checkpointing.safe_io.SafeCheckpointEngine", f"{_TORCH_CKPT}.load",
+    Override("megatron.checkpointing.live.safe_io.SafeCheckpointEngine", f"{_TORCH_CKPT}.load",
              ("self", "path", "map_location"), "weights_only loads of every file DeepSpeed reads"),
 )
 
@@ -294,7 +294,7 @@ def hp_mapping(param):
 
     DeepSpeed 0.19.8, deepspeed/utils/mixed_precision_linkage.py ``link_hp_params``: ``param._hp_mapping``
     (deepspeed/utils/tensor_fragment.py ``tensor_fragment``). Why: Adam moments loaded into ZeRO-1/2 partitions
-    (megatron/checkpointing/moments.py)."""
+    (megatron/checkpointing/full_state/shard.py)."""
     _require("hp_mapping")
     return getattr(param, "_hp_mapping", None)
 

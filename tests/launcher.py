@@ -51,7 +51,7 @@ def free_port() -> int:
 # importing torch, DeepSpeed and the trainer again (~2 s of CPU per rank, hundreds of ranks per suite run). The
 # server imports only: it runs no torch op, so no OpenMP pool exists to be forked.
 _PRELOAD = ["torch", "deepspeed", "deepspeed.comm", "megatron.engine", "megatron.training.pretrain",
-            "megatron.model.gpt_model_pipe", "megatron.checkpointing.checkpoint"]
+            "megatron.model.gpt_model_pipe", "megatron.checkpointing.checkpointer"]
 
 
 def _context():

@@ -18,9 +18,9 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing.convert import read_any, write_hf
-    from megatron.checkpointing.hf_moe import has_experts, match_notes
-    from megatron.checkpointing.hf_tokens import special_ids_of_checkpoint
+    from megatron.checkpointing.hf.convert import read_any, write_hf
+    from megatron.checkpointing.hf.moe import has_experts, match_notes
+    from megatron.checkpointing.hf.tokens import special_ids_of_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="a --save directory, one tag directory, or a full-state directory")

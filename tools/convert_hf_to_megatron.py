@@ -15,8 +15,8 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing.convert import hf_to_full_state
-    from megatron.checkpointing.hf import matching_flags
+    from megatron.checkpointing.hf.convert import hf_to_full_state
+    from megatron.checkpointing.hf.dense import matching_flags
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hf", required=True, help="local directory with config.json and *.safetensors")

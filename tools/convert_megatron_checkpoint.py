@@ -42,7 +42,8 @@ def _tokenizer_size(args: dict) -> int | None:
 
 def main(argv=None) -> int:
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.convert import write_full_state
+    from megatron.checkpointing.hf.convert import write_full_state
+    from megatron.model.param_names import VOCAB_PARAMS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="the directory upstream saved into (or one global_stepN/ iter_N/)")
@@ -70,10 +71,10 @@ def main(argv=None) -> int:
                           "--vocab-size (the checkpoint's vocabulary rows are padded)")
     if vocab > conv.padded_vocab_size:
         raise ConfigError(f"--vocab-size {vocab} is above the checkpoint's {conv.padded_vocab_size} vocabulary rows")
-    weights = {k: (v[:vocab] if k in upstream.VOCAB_PARAMS else v) for k, v in conv.weights.items()}
+    weights = {k: (v[:vocab] if k in VOCAB_PARAMS else v) for k, v in conv.weights.items()}
     moments = None
     if conv.moments:
-        moments = {n: {k: (t[:vocab] if n in upstream.VOCAB_PARAMS else t) for k, t in m.items()}
+        moments = {n: {k: (t[:vocab] if n in VOCAB_PARAMS else t) for k, t in m.items()}
                    for n, m in conv.moments.items()}
     # The padding multiple is left out: it is a choice of the loading run, which keeps the loss equal when it pads
     # to upstream's row count (padded rows enter the softmax as zero logits here).

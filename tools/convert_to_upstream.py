@@ -20,9 +20,9 @@ from megatron.errors import ConfigError, run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing.convert import read_any, read_moments
-    from megatron.checkpointing.full_state import is_full_state
-    from megatron.checkpointing.locate import read_latest, read_meta
+    from megatron.checkpointing.hf.convert import read_any, read_moments
+    from megatron.checkpointing.full_state.files import is_full_state
+    from megatron.checkpointing.live.markers import read_latest, read_meta
     from megatron.checkpointing.upstream.writer import write_upstream
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)

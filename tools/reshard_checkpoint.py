@@ -17,7 +17,7 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing.convert import read_any, read_moments, write_full_state
+    from megatron.checkpointing.hf.convert import read_any, read_moments, write_full_state
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True)

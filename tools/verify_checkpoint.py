@@ -22,9 +22,9 @@ from megatron.errors import run_cli  # noqa: E402
 
 
 def checkpoint_dir(path: str, tag: str | None) -> str:
-    from megatron.checkpointing.locate import META, read_latest
-    from megatron.checkpointing.full_state import FULL_STATE_META
-    from megatron.checkpointing.integrity import MANIFEST
+    from megatron.checkpointing.full_state.files import FULL_STATE_META
+    from megatron.checkpointing.live.integrity import MANIFEST
+    from megatron.checkpointing.live.markers import META, read_latest
     from megatron.errors import CheckpointError
 
     if not os.path.isdir(path):
@@ -41,9 +41,10 @@ def checkpoint_dir(path: str, tag: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron.checkpointing import integrity
-    from megatron.checkpointing.locate import META, read_meta
-    from megatron.checkpointing.verify import offline_problems
+    from megatron.checkpointing.live import integrity
+    from megatron.checkpointing.live.markers import META, read_meta
+    from megatron.checkpointing.live.verify import offline_problems
+    from megatron.checkpointing.locate import expected_files
     from megatron.errors import CheckpointError
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(ckpt, integrity.MANIFEST)) and os.path.exists(os.path.join(ckpt, META)):
         meta = read_meta(ckpt)  # only a checkpoint without a manifest needs its layout
     start = time.perf_counter()
-    bad, manifest = offline_problems(ckpt, meta, "size" if args.size_only else "full")
+    bad, manifest = offline_problems(ckpt, expected_files(meta) if meta is not None else None,
+                                     "size" if args.size_only else "full")
     if not manifest and meta is None:
         raise CheckpointError(f"{ckpt} has neither {integrity.MANIFEST} nor {META}: nothing tells which files it "
                               "needs")

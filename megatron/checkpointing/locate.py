@@ -1,22 +1,22 @@
-"""What sits at ``--load``, worked out in one place for the preflight and the loaders alike: nothing, an empty
+"""What sits at ``--load``, worked out in one place for the preflight and the Checkpointer alike: nothing, an empty
 directory (a fresh start), our checkpoint (``latest`` + ``global_stepN/megatron_meta.json``), a full-state directory
 (``full_state.json``, any layout), or an upstream Megatron(-DeepSpeed) checkpoint (upstream/); anything else that
 looks like a checkpoint is refused in one line, never silently restarted from iteration 1."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 from megatron.checkpointing import upstream
-from megatron.checkpointing.full_state import is_full_state
+from megatron.checkpointing.ds_layout.files import expected_files as ds_expected
+from megatron.checkpointing.full_state.files import is_full_state
+from megatron.checkpointing.hzero.shards import expected_files as hzero_expected
+from megatron.checkpointing.live.markers import LATEST, read_latest
+from megatron.checkpointing.live.verify import Layout
+from megatron.checkpointing.state import HZERO_FORMAT
 from megatron.config import CheckpointSettings
 from megatron.errors import CheckpointError
-
-META = "megatron_meta.json"
-LATEST = "latest"
-TRACKER = upstream.TRACKER  # Megatron's marker, which we write too (its iteration)
 
 
 @dataclass(frozen=True)
@@ -57,35 +57,12 @@ def classify_load(settings: CheckpointSettings) -> LoadTarget:
     return LoadTarget("ours", os.path.join(load, tag), tag=tag)
 
 
-def read_latest(load_dir: str) -> str | None:
-    """The tag in ``load_dir/latest``; None when the directory holds no checkpoint yet."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            tag = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint marker {path} is unreadable ({e}); write the tag to load into it") from None
-    if not tag or "/" in tag or "\n" in tag:
-        raise CheckpointError(f"checkpoint marker {path} is empty or malformed ({tag[:40]!r}); write the tag of a "
-                              "complete checkpoint (e.g. global_step100) into it")
-    return tag
-
-
-def read_meta(ckpt_dir: str) -> dict:
-    path = os.path.join(ckpt_dir, META)
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} is missing (named by 'latest'); point 'latest' at "
-                              "an existing checkpoint")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: not a complete Megatron-Frontier checkpoint; "
-                              f"point {os.path.join(os.path.dirname(ckpt_dir), LATEST)} at a complete one")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt ({e})") from None
+def expected_files(meta: dict) -> Layout:
+    """The files a checkpoint of ours without a manifest must hold, by the format its metadata names (for
+    live/verify.py's checks without a manifest)."""
+    if meta.get("format") == HZERO_FORMAT:
+        return lambda present: hzero_expected(meta)
+    return lambda present: ds_expected(meta, present)
 
 
 def missing_checkpoint_message(load: str, exit_on_missing: bool) -> str:

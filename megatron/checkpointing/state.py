@@ -1,5 +1,5 @@
-"""What a checkpoint records besides weights: RNG states, the run's arguments as plain data, the checks that decide
-whether a checkpoint may be resumed under the current flags, and ``Resume``: what a load hands to the loop."""
+"""What a checkpoint records besides weights: RNG states, the run's arguments as plain data, the TP partition of
+each parameter, the format tags of our metadata, and ``Resume``: what a load hands to the loop."""
 
 from __future__ import annotations
 
@@ -11,24 +11,15 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megatron.checkpointing.hierarchical_zero import check_saved_layout
-from megatron.config import CheckpointSettings, RunConfig
+from megatron.config import RunConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.errors import CheckpointError, ConfigError
+from megatron.errors import CheckpointError
+from megatron.model.param_names import canonical_name
 
-# Model fields that change a parameter's shape or meaning: a checkpoint cannot be resumed across them.
-SHAPE_FIELDS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads", "num_key_value_heads": "--num-key-value-heads",
-    "max_position_embeddings": "--max-position-embeddings", "vocab_size": "--vocab-size/tokenizer",
-    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by", "normalization": "--normalization",
-    "swiglu": "--swiglu", "openai_gelu": "--openai-gelu", "position_embedding_type": "--position-embedding-type",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "add_bias_linear": "--disable-bias-linear",
-}
-
-# A real heading of docs/checkpoints.md (tests/unit/test_preflight.py checks that the anchor exists).
-RESHARD_DOC = "docs/checkpoints.md#resharding-full-state-conversion"
+DEEPSPEED_FORMAT = "megatron-frontier/deepspeed-v1"
+"""megatron_meta.json's ``format`` of DeepSpeed's own layout (ds_layout/)."""
+HZERO_FORMAT = "megatron-frontier/hierarchical-zero-v1"
+"""megatron_meta.json's ``format`` of hierarchical ZeRO's per-rank shards (hzero/)."""
 
 
 def rng_state() -> dict:
@@ -58,6 +49,15 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def rng_for_rank(states: list, dp_rank: int, dp_size: int) -> dict | None:
+    """The saved RNG state of this DP index, or None (with the reason) when the DP size changed."""
+    if len(states) != dp_size:
+        return None
+    if not 0 <= dp_rank < len(states):
+        raise CheckpointError(f"RNG state list has {len(states)} entries, no entry for DP rank {dp_rank}")
+    return states[dp_rank]
+
+
 def plain_args(flags: dict) -> dict:
     """The parsed flags (``RunConfig.flags``) as JSON-able data, as upstream's checkpoints keep its ``args``
     (no pickled objects in checkpoints)."""
@@ -69,91 +69,22 @@ def plain_run(run: RunConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(run).items() if k != "flags"}
 
 
-def loads_optimizer(settings: CheckpointSettings, meta: dict) -> bool:
-    """Whether resuming the checkpoint described by ``meta`` restores its optimizer state under these flags."""
-    return not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
+def partition_table(module: torch.nn.Module, num_layers: int) -> dict[str, list[int]]:
+    """{canonical name: [partition_dim, stride]} of this rank's TP-sharded parameters."""
+    return {canonical_name(n, num_layers): [int(p.partition_dim), int(getattr(p, "partition_stride", 1))]
+            for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)
+            and canonical_name(n, num_layers) is not None}
 
 
-def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> None:
-    """Refuse a checkpoint whose model shape or layout differs from this run's; allow the rest
-    (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata."""
-    check_model_shape(saved["run"]["model"], run, where)
-    p = saved["run"]["parallel"]
-    check_experts(saved["run"]["model"].get("moe") or {}, p.get("moe_expert_parallel_size", 1), run, where)
-    changed = [f"{flag} {p[key]}, now {getattr(run.parallel, key)}"
-               for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"))
-               if p[key] != getattr(run.parallel, key)]
-    if changed:  # every changed flag is named: fixing one at a time would cost a launch each
-        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or convert it "
-                          f"first: python tools/reshard_checkpoint.py --load {where} --save NEW_DIR and --load "
-                          f"NEW_DIR (see {RESHARD_DOC})")
-    # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
-    # even without the optimizer.
+def apply_schedule_lr(engine) -> None:
+    """The first resumed update uses the current schedule's lr (e.g. after a longer --train-iters).
 
-    check_saved_layout(saved, run, where)
-    if not load_optim:
-        return
-    # ZeRO partitions over every rank of the data-parallel dimension, DeepSpeed-Ulysses' SP ranks included.
-    saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
-    now_dp = run.parallel.dp * run.parallel.sp
-    if p["zero_stage"] > 0 and saved_dp != now_dp:
-        raise ConfigError(f"--load {where}: ZeRO-{p['zero_stage']} optimizer state is partitioned over "
-                          f"data-parallel size {saved_dp}, now {now_dp}. Launch the same DP size, or pass "
-                          "--no-load-optim to restart the optimizer from the saved weights")
-    if p["zero_stage"] != run.parallel.zero_stage:
-        raise ConfigError(f"--load {where}: saved with --zero-stage {p['zero_stage']}, now "
-                          f"{run.parallel.zero_stage}. Use the same stage, or pass --no-load-optim")
-    prec = saved["run"]["precision"]
-    for name in ("fp16", "bf16"):
-        if prec[name] != getattr(run.precision, name):
-            raise ConfigError(f"--load {where}: saved with --{name} {'on' if prec[name] else 'off'}, now "
-                              f"{'on' if getattr(run.precision, name) else 'off'}. Use the same precision, or "
-                              "pass --no-load-optim")
-
-
-_MOE_FIELDS = {"num_experts": "--num-experts", "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",
-               "enable_expert_tensor_parallelism": "--enable-expert-tensor-parallelism"}
-
-
-def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) -> None:
-    """Refuse a checkpoint whose experts are laid out otherwise: other MoE layers, counts, PR-MoE or expert TP (its
-    per-expert files hold other tensors), or, for a model with experts, another expert-parallel size (the ZeRO
-    partitions of the experts follow it: resharding goes through a full state, tools/reshard_checkpoint.py)."""
-    now = dataclasses.asdict(run.model.moe)
-    default = dataclasses.asdict(type(run.model.moe)())
-    changed = [f"{flag} ({_shown(saved_moe.get(k, default[k]))} in the checkpoint, {_shown(now[k])} now)"
-               for k, flag in _MOE_FIELDS.items() if _shown(saved_moe.get(k, default[k])) != _shown(now[k])]
-    if changed:
-        raise ConfigError(f"--load {where}: the checkpoint's experts differ: {'; '.join(changed)}. Use the "
-                          "checkpoint's values for these flags")
-    if run.model.moe.enabled and saved_ep != run.parallel.ep:
-        raise ConfigError(f"--load {where}: saved with --moe-expert-parallel-size {saved_ep}, now {run.parallel.ep}: "
-                          "keep the expert-parallel size, or convert it first: python tools/reshard_checkpoint.py "
-                          f"--load {where} --save NEW_DIR and --load NEW_DIR")
-
-
-def _shown(v):
-    return list(v) if isinstance(v, list | tuple) else v
-
-
-def check_model_shape(model: dict, run: RunConfig, where: str) -> None:
-    """Refuse a checkpoint whose model fields in ``SHAPE_FIELDS`` differ from this run's, naming them."""
-    now = dataclasses.asdict(run.model)
-    changed = [f"{flag} ({model[k]} in the checkpoint, {now[k]} now)" for k, flag in SHAPE_FIELDS.items()
-               if k in model and model[k] != now[k]]
-    if changed:
-        raise ConfigError(f"--load {where}: the checkpoint was trained with a different model shape: "
-                          f"{'; '.join(changed)}. Use the checkpoint's values for these flags")
-
-
-def rng_for_rank(states: list, dp_rank: int, dp_size: int) -> dict | None:
-    """The saved RNG state of this DP index, or None (with the reason) when the DP size changed."""
-    if len(states) != dp_size:
-        return None
-    if not 0 <= dp_rank < len(states):
-        raise CheckpointError(f"RNG state list has {len(states)} entries, no entry for DP rank {dp_rank}")
-    return states[dp_rank]
+    Every engine's resume ends here (DeepSpeed ZeRO-0..3, pipeline, hierarchical ZeRO): DeepSpeed restores
+    the ZeRO optimizer partitions, param_groups' lr included, *after* the LR scheduler, so without this the
+    first step ran at the lr the old schedule gave the saved step's successor."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "apply_schedule"):
+        scheduler.apply_schedule()
 
 
 @dataclass
@@ -169,7 +100,7 @@ class Resume:
     set-up work between loading and training (e.g. the peak-FLOPs probe) draws random numbers."""
 
     moments: tuple | None = None
-    """(Adam moments by name, step) read along with the weights (an upstream checkpoint), for load_checkpoint."""
+    """(Adam moments by name, step) read along with the weights (an upstream checkpoint), for the engine's load."""
 
     def restore_rng(self) -> None:
         if self.rng is not None:

@@ -1,11 +1,13 @@
-"""Which engine can save and load under which checkpoint flags, decided from the flags alone.
+"""Which engine can save and load under which checkpoint flags, decided from the flags alone: the one place these
+refusals are written.
 
 pretrain() calls ``check_supported`` before any process group exists, so a combination that cannot be saved fails
 in one line at launch instead of after a save interval of node-hours (it used to crash at the first save).
 
 Engines (``engine_kind``): DeepSpeed ZeRO-0..3 (``zero0`` ... ``zero3``), DeepSpeed's pipeline engine
 (``pipeline``, ZeRO-0/1), DeepSpeed ZeRO++ hpZ (``hpz``), and our hierarchical ZeRO (``hierarchical``). All of
-them save and resume through megatron/checkpointing/checkpoint.py; what they cannot do is listed in ``REFUSED``.
+them save and resume through the Checkpointer (checkpointer.py: hierarchical ZeRO in hzero/, the others in
+ds_layout/); what they cannot do is listed in ``REFUSED``.
 """
 
 from __future__ import annotations

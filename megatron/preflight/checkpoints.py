@@ -7,12 +7,13 @@ import json
 import os
 import socket
 
-from megatron.checkpointing.full_state import FULL_STATE_META
-from megatron.checkpointing.locate import classify_load, missing_checkpoint_message, read_meta
-from megatron.checkpointing.space import low_space_warning
-from megatron.checkpointing.state import check_experts, check_model_shape, check_resume, loads_optimizer
+from megatron.checkpointing.full_state.files import FULL_STATE_META
+from megatron.checkpointing.live.markers import read_meta
+from megatron.checkpointing.live.space import low_space_warning
+from megatron.checkpointing.live.verify import check_complete
+from megatron.checkpointing.locate import classify_load, expected_files, missing_checkpoint_message
+from megatron.checkpointing.resume_checks import check_experts, check_model_shape, check_resume, loads_optimizer
 from megatron.checkpointing.upstream import check_upstream
-from megatron.checkpointing.verify import check_complete
 from megatron.config import CheckpointSettings, RunConfig
 from megatron.errors import CheckpointError, ConfigError, warn_once
 from megatron.optim.lr_schedule import check_resume_schedule
@@ -84,4 +85,4 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
     if not settings.finetune:
         check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
     if settings.verify != "off":  # every file the manifest (or layout) names, sized: stats only
-        check_complete(target.path, meta)
+        check_complete(target.path, expected_files(meta))

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.core import comm
 from megatron.errors import TrainingError
 from megatron.resilience.deadline import Deadline

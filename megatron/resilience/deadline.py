@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from megatron.checkpointing.space import checkpoint_bytes
+from megatron.checkpointing.live.space import checkpoint_bytes
 from megatron.config import RunConfig
 from megatron.resilience.run_files import read_save_time, write_save_time
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.config import RunConfig
 from megatron.config.runtime import RuntimeConfig
 from megatron.progress import PROGRESS, describe_out_of_memory, is_out_of_memory

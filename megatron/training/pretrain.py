@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from deepspeed.accelerator import get_accelerator
 
 from megatron import initialize, topology
-from megatron.checkpointing import Resume, load_checkpoint, load_full_state, save_checkpoint
+from megatron.checkpointing import Resume, open_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
 from megatron.core.parallel_state import ParallelState
@@ -100,14 +100,15 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
                     f"{n_params / 1e6:.3f}M parameters on this rank (full model "
                     f"{run.model.num_parameters(run.parallel.tp) / 1e6:.3f}M)", rank)
         print_rank0(model_features(model), rank)
-        full = load_full_state(model, run, pstate, run.checkpoint)  # a full-state --load goes in before ZeRO
+        checkpointer = open_checkpoint(run, pstate, ds_config)  # what --load holds; the format this engine writes
+        checkpointer.load_into_model(model)  # a full-state or upstream --load goes in before ZeRO partitions it
         engine = initialize_engine(model, run, pstate, ds_config)
         print_rank0(f"> DeepSpeed engine ready (ZeRO-{run.parallel.zero_stage}, "
                     f"grad accumulation {run.training.grad_accumulation_steps(pstate.dp.size)})", rank)
         PROGRESS.enter("load")
-        resume = load_checkpoint(engine, run, pstate, run.checkpoint, full)
+        resume = checkpointer.resume(engine)
         return _train(run, pstate, engine, providers, tokenizer, resume, supervisor,
-                      lambda it, consumed, saver: save_checkpoint(engine, it, consumed, run, pstate, saver), eod)
+                      lambda it, consumed, saver: checkpointer.save(engine, it, consumed, saver), eod)
     except BaseException as e:
         # A MegatronError not marked every_rank is raised by every rank at the same point: they can still meet.
         together = isinstance(e, MegatronError) and not e.every_rank

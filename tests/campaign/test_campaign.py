@@ -25,7 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.checkpointing import verify
+from megatron.checkpointing.live import verify
+from megatron.checkpointing.locate import expected_files
 from tests.campaign.common import Place, iterations_logged, log_of
 
 ITERS = 32
@@ -112,7 +113,8 @@ def test_every_job_exits_zero_before_its_end_with_a_whole_checkpoint(campaign):
         last = campaign.place.result(job["id"])["iterations"]
         tag = campaign.ckpt / f"global_step{last}"
         assert tag.is_dir(), f"job {job['id']} left no checkpoint of its last iteration {last}"
-        bad, has_manifest = verify.offline_problems(str(tag), json.loads((tag / "megatron_meta.json").read_text()))
+        meta = json.loads((tag / "megatron_meta.json").read_text())
+        bad, has_manifest = verify.offline_problems(str(tag), expected_files(meta))
         assert has_manifest and not bad, (tag, bad)
         assert max(p.stat().st_mtime for p in tag.iterdir()) <= job["end_time"]
     assert (campaign.ckpt / "latest").read_text().strip() == f"global_step{ITERS}"

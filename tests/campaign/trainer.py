@@ -33,7 +33,7 @@ def _hooks() -> None:
 
         pretrain.train_step = slow_step
     if save_sleep:
-        from megatron.checkpointing import integrity
+        from megatron.checkpointing.live import integrity
 
         real_manifest = integrity.write_manifest
 

@@ -45,7 +45,7 @@ def check_resume_exact(world: int, args: list[str], save_dir: str, n: int = 2) -
 # Slow down one file write of the step-4 save, so the test can kill the process in the middle of it.
 SLOW_SAVE = """
 import sys, time
-from megatron.checkpointing import safe_io
+from megatron.checkpointing.live import safe_io
 orig = safe_io.SafeCheckpointEngine.save
 def slow(self, state_dict, path):
     orig(self, state_dict, path)
@@ -63,7 +63,7 @@ sys.exit(pretrain_gpt.run_cli(pretrain_gpt.main, sys.argv[1:]))
 # exactly, so runs compare bit for bit; the writer prints WRITING before a slowed file.
 ASYNC = """
 import errno, os, sys, time
-from megatron.checkpointing import integrity
+from megatron.checkpointing.live import integrity
 from megatron.training import log
 rank = os.environ["RANK"]
 slow_tag, slow_s = os.environ.get("SLOW_TAG"), float(os.environ.get("SLOW_S", "0"))
@@ -164,11 +164,11 @@ def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float, sigterm_a
     import signal
     import time
 
-    from megatron.checkpointing import async_save, integrity
+    from megatron.checkpointing.live import async_save, integrity
     from megatron.training import log
 
     events = []
-    write, commit, logged, say = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration, async_save._say
+    write, commit, logged, say = integrity.write_torch, async_save.commit, log.TrainingLogger.iteration, async_save.say
 
     def slowed(obj, path, zipfile=True):
         if slow_tag in path:
@@ -190,5 +190,5 @@ def slow_async_pretrain(argv: list[str], slow_tag: str, slow_s: float, sigterm_a
         say(msg)
 
     integrity.write_torch, async_save.commit, log.TrainingLogger.iteration = slowed, committing, iteration
-    async_save._say = saying
+    async_save.say = saying
     return {**_pretrain(argv), "events": events}

@@ -79,7 +79,7 @@ def test_kill_one_rank_of_four_all_exit_naming_it(tmp_path):
 def test_bad_checkpoint_files_one_line_error(tmp_path):
     import torch
 
-    from megatron.checkpointing.safe_io import safe_load
+    from megatron.checkpointing.live.safe_io import safe_load
     from megatron.errors import CheckpointError
 
     save = str(tmp_path / "ckpt")

@@ -4,11 +4,13 @@
 import pytest
 import torch
 
-from megatron.checkpointing.convert import hf_to_full_state, read_any, read_hf, write_hf
-from megatron.checkpointing.full_state import canonical_name, load_into_model, merge_tp
+from megatron.checkpointing.full_state.merge import merge_tp
+from megatron.checkpointing.full_state.shard import load_into_model
+from megatron.checkpointing.hf.convert import hf_to_full_state, read_any, read_hf, write_hf
 from megatron.core.parallel_state import GroupInfo, single_process_state
 from megatron.core.tensor_parallel.layers import shard_tensor
 from megatron.model.gpt_model import GPTModel
+from megatron.model.param_names import canonical_name
 from megatron.config.sizes import named_model
 
 VARIANTS = {

@@ -44,8 +44,8 @@ def _mock_batch() -> torch.Tensor:
 
 
 def _ours(flags: list[str], full_dir: str, tp, tp_size: int, **overrides):
-    from megatron.checkpointing.convert import read_any
-    from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.hf.convert import read_any
+    from megatron.checkpointing.full_state.shard import load_into_model
     from megatron.model.gpt_model import GPTModel
 
     cfg = model_config_from_args(parse_args(flags), VOCAB).replace(**overrides)
@@ -126,8 +126,8 @@ def test_default_gpt2_imports_matches_trains_and_exports(tmp_path):
 @pytest.mark.parametrize("name, fields", [("debug", {}), ("debug", {"openai_gelu": True, "hidden_dropout": 0.0}),
                                           ("debug-llama", {"num_key_value_heads": 2, "rotary_base": 5e5})])
 def test_matching_flags_rebuild_the_model(name, fields):
-    from megatron.checkpointing.hf import matching_flags
-    from megatron.checkpointing.state import SHAPE_FIELDS
+    from megatron.checkpointing.hf.dense import matching_flags
+    from megatron.checkpointing.resume_checks import SHAPE_FIELDS
     from megatron.config.sizes import named_model
 
     want = dataclasses.asdict(named_model(name, vocab_size=300, **fields))

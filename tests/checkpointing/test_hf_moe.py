@@ -1,4 +1,4 @@
-"""HF export of models with experts (megatron/checkpointing/hf_moe.py): a pretrain_gpt.py checkpoint at EP=2 x TP=2
+"""HF export of models with experts (megatron/checkpointing/hf/moe.py): a pretrain_gpt.py checkpoint at EP=2 x TP=2
 with expert TP exports to MixtralForCausalLM whose loss on the next iteration's batch is the run's own; one-process
 models of each supported shape export to Mixtral or Qwen2-MoE with logits equal to ours (fp32, 1e-5); what no HF
 architecture computes is refused in one line."""
@@ -12,9 +12,9 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-from megatron.checkpointing.convert import read_any, write_hf
-from megatron.checkpointing.full_state import canonical_name
-from megatron.checkpointing.hf_moe import moe_variant
+from megatron.checkpointing.hf.convert import read_any, write_hf
+from megatron.model.param_names import canonical_name
+from megatron.checkpointing.hf.moe import moe_variant
 from megatron.config.moe import MoEConfig
 from megatron.config.sizes import named_model
 from megatron.core.parallel_state import single_process_state
@@ -162,7 +162,7 @@ def _hf_moe(kind: str, out: str):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_hf_moe_imports_with_its_logits_and_exports_back(tmp_path, kind):
     from megatron.arguments import model_config_from_args, parse_args
-    from megatron.checkpointing.convert import read_hf
+    from megatron.checkpointing.hf.convert import read_hf
     from tools.convert_checkpoint_to_hf import main as to_hf
     from tools.convert_hf_to_megatron import main as from_hf
 
@@ -202,14 +202,14 @@ def test_hf_moe_imports_with_its_logits_and_exports_back(tmp_path, kind):
      "norm_topk_prob=False"),
 ])
 def test_hf_moe_import_refuses_what_ours_does_not_compute(config, match):
-    from megatron.checkpointing.hf_moe import moe_from_hf
+    from megatron.checkpointing.hf.moe import moe_from_hf
 
     with pytest.raises(ConfigError, match=match):
         moe_from_hf({}, dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, **config))
 
 
 def test_export_notes_say_when_hf_computes_otherwise():
-    from megatron.checkpointing.hf_moe import match_notes
+    from megatron.checkpointing.hf.moe import match_notes
 
     trained = dataclasses.asdict(named_model("debug-llama", moe=MoEConfig(num_experts=(4,), topk=2)))
     assert [n.split(":")[0] for n in match_notes(trained)] == ["HF has no expert capacity",
@@ -221,7 +221,7 @@ def test_export_notes_say_when_hf_computes_otherwise():
 def test_pipeline_moe_checkpoint_missing_a_stage_is_named(tmp_path):
     """A pipeline checkpoint with experts merges from each stage's model file (tests/checkpointing/
     test_moe_checkpoint.py resumes one resharded); a missing stage file is named, not skipped."""
-    from megatron.checkpointing.full_state import merge_checkpoint
+    from megatron.checkpointing.full_state.merge import merge_checkpoint
     from megatron.errors import CheckpointError
 
     (tmp_path / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")

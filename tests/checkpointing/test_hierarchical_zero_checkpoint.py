@@ -38,9 +38,9 @@ def _batch(iteration: int, gbs: int = 4, seq: int = 16, vocab: int = 200, seed: 
 def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron.checkpointing.convert import read_any
-    from megatron.checkpointing.full_state import load_into_model
-    from megatron.checkpointing.hierarchical_zero import check_saved_layout
+    from megatron.checkpointing.hf.convert import read_any
+    from megatron.checkpointing.full_state.shard import load_into_model
+    from megatron.checkpointing.resume_checks import check_saved_layout
     from megatron.core.parallel_state import single_process_state
     from megatron.errors import ConfigError
     from megatron.model.gpt_model import GPTModel

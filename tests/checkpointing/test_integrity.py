@@ -73,7 +73,7 @@ def _verify_cases(cases: list[tuple[str, str]]) -> list:
     """On each rank: the collective verification of every case, in both modes; the error text or None."""
     import deepspeed
 
-    from megatron.checkpointing.verify import verify_collective
+    from megatron.checkpointing.live.verify import verify_collective
     from megatron.errors import CheckpointError
 
     deepspeed.init_distributed("gloo")  # megatron.core.comm goes through deepspeed.comm

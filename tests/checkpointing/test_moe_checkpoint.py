@@ -33,7 +33,7 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
     # loaded at EP=1 (every rank all 4 experts): iteration 3 as the straight EP=2 run. The gate sees the same
     # tokens on each DP rank whatever EP is, so only the order of float sums may differ.
     import tools.reshard_checkpoint as reshard
-    from megatron.checkpointing.full_state import read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.files import read_full_moments, read_full_state
 
     full = str(tmp_path / "full")
     assert reshard.main(["--load", save, "--save", full]) == 0
@@ -49,7 +49,7 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
     assert moved["moe_losses"][3] == pytest.approx(straight["moe_losses"][3], abs=1e-6), (moved, straight)
 
     # The integrity manifest covers every expert file: a flipped byte in one is named before any conversion.
-    from megatron.checkpointing import integrity
+    from megatron.checkpointing.live import integrity
     from megatron.errors import CheckpointError
 
     step2 = os.path.join(save, "global_step2")
@@ -76,7 +76,7 @@ def test_ep2_pp2_resumes_exactly_from_the_pipelines_files(tmp_path):
     """PP=2 x EP=2 (4 ranks, ZeRO-1), one MoE layer per stage: under a pipeline with experts DeepSpeed writes each
     stage's dense weights in its model file (no pipeline layer files) and one file per expert, numbered by the
     stage's own MoE layers with the stage's model-parallel rank in the name; the integrity manifest lists them."""
-    from megatron.checkpointing import integrity
+    from megatron.checkpointing.live import integrity
 
     save = str(tmp_path / "ckpt")
     straight = pretrain_on(4, PIPE + ["--save", save, "--save-interval", "2"])
@@ -97,7 +97,7 @@ def test_ep2_pp2_resumes_exactly_from_the_pipelines_files(tmp_path):
     # Resharded: the pipeline's per-stage model files and expert files merged into a full state (weights and ZeRO-1
     # moments), loaded without a pipeline at EP=1 on 2 ranks: iteration 3 as the straight PP=2 x EP=2 run.
     import tools.reshard_checkpoint as reshard
-    from megatron.checkpointing.full_state import read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.files import read_full_moments, read_full_state
 
     full = str(tmp_path / "full")
     assert reshard.main(["--load", save, "--tag", "global_step2", "--save", full]) == 0

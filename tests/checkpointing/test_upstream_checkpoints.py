@@ -71,7 +71,7 @@ def test_loaded_weights_give_upstreams_loss_on_upstreams_batch(layout):
     """Upstream's weights in our model (TP=1, upstream's padded vocabulary) score upstream's iteration-4
     micro-batches exactly as upstream logged: name mapping, QKV [Q|K|V] -> per-group order, TP/PP merge."""
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.full_state.shard import load_into_model
     from megatron.checkpointing.upstream import vocab_rows
 
     conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
@@ -107,7 +107,8 @@ def test_converter_writes_a_full_state_with_upstreams_loss(tmp_path):
     """tools/convert_megatron_checkpoint.py: the PP=2 checkpoint as a full state (vocabulary cut to the tokenizer's
     320 rows, as upstream's TP=1 run padded none) scores upstream's batch like upstream; moments carried."""
     import tools.convert_megatron_checkpoint as tool
-    from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.files import read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.shard import load_into_model
     from megatron.errors import ConfigError
 
     out = str(tmp_path / "full")
@@ -154,6 +155,7 @@ def test_universal_checkpoint_reads_as_the_global_step_it_came_from(layout, univ
     reads to the same weights, Adam moments and progress as global_step3 itself; only the vocabulary padding
     rows (TP=2 pads 320 tokens to 384) come back as zeros, as DeepSpeed's universal loader pads them."""
     from megatron.checkpointing import upstream
+    from megatron.model.param_names import VOCAB_PARAMS
 
     plain = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
     uni_found = upstream.find(os.path.join(FIX, universal), universal=True)
@@ -165,7 +167,7 @@ def test_universal_checkpoint_reads_as_the_global_step_it_came_from(layout, univ
     assert set(uni.weights) == set(plain.weights) and uni.moments and set(uni.moments) == set(plain.moments)
     vocab, padded = 320, plain.padded_vocab_size
     for name, t in plain.weights.items():
-        u, rows = uni.weights[name], vocab if name in upstream.VOCAB_PARAMS else None
+        u, rows = uni.weights[name], vocab if name in VOCAB_PARAMS else None
         assert torch.equal(u[:rows], t[:rows]), name
         if rows is not None:
             assert not u[vocab:].any() and (padded == vocab or t[vocab:].any()), name

@@ -81,7 +81,7 @@ def test_loaded_moe_weights_give_upstreams_losses_on_upstreams_batches(layout):
     the tied embedding) in our one-process model score upstream's iteration-4 micro-batches (each DP rank's) with
     upstream's lm loss (averaged over DP) and MoE loss: each rank's own without the pipeline, the DP mean with it."""
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.full_state import load_into_model
+    from megatron.checkpointing.full_state.shard import load_into_model
     from megatron.checkpointing.upstream import vocab_rows
 
     conv = upstream.read(upstream.find(os.path.join(FIX, layout)), trust=True)
@@ -102,7 +102,8 @@ def test_converter_writes_upstreams_moe_run_as_a_full_state(tmp_path):
     """tools/convert_megatron_checkpoint.py on upstream's MoE checkpoint: a full state with every expert (global
     index) and its moments, which scores upstream's iteration-4 batches with upstream's losses in one process."""
     import tools.convert_megatron_checkpoint as tool
-    from megatron.checkpointing.full_state import load_into_model, read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.files import read_full_moments, read_full_state
+    from megatron.checkpointing.full_state.shard import load_into_model
 
     out = str(tmp_path / "full")
     assert tool.main(["--load", os.path.join(FIX, "moe_ep2"), "--save", out, "--trust-checkpoint",
@@ -122,21 +123,23 @@ def test_upstream_expert_moments_sit_where_their_weights_do():
     """The expert placement (local index on DP rank d -> global expert (d % EP) x local + i, partition over the
     replicas) checked on DeepSpeed's own fp32 master partitions: read through the same placement they equal the
     per-expert files' weights for every expert, so the moments (the same slices) land on the right experts."""
-    from megatron.checkpointing import experts, upstream
-    from megatron.checkpointing.safe_io import safe_load
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.ds_layout.files import place
+    from megatron.checkpointing.live.safe_io import safe_load
+    from megatron.model.param_names import expert_index, experts_per_layer, from_upstream
 
     path = os.path.join(FIX, "moe_ep2", "global_step3")
     conv = upstream.read(upstream.find(os.path.join(FIX, "moe_ep2")), trust=True)
-    per_layer = experts.local_counts(conv.weights)
+    per_layer = experts_per_layer(conv.weights)
     checked = 0
     for dp in (0, 1):
         osd = safe_load(os.path.join(path, f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
         for group, flat in zip(osd["param_slice_mappings"], osd["single_partition_of_fp32_groups"], strict=True):
             for name, addr in group.items():
-                ours = upstream.names.our_name(name)
-                if experts.expert_index(ours) is None:
+                ours = from_upstream(name)
+                if expert_index(ours) is None:
                     continue
-                full, _ = experts.place(ours, dp, 2, per_layer)
+                full, _ = place(ours, dp, 2, per_layer)
                 got = flat[addr.start:addr.start + addr.numel]
                 assert torch.equal(got, conv.weights[full].reshape(-1)), (dp, name, full)
                 checked += 1
@@ -182,7 +185,7 @@ def test_resume_continues_upstreams_moe_run(tmp_path, layout, ep, pp, monkeypatc
 def _check_ours_goes_back(tmp_path, load: str, got: dict, moe: dict) -> None:
     import tools.convert_to_upstream as tool
     from megatron.checkpointing import upstream
-    from megatron.checkpointing.convert import read_any, read_moments
+    from megatron.checkpointing.hf.convert import read_any, read_moments
 
     with open(os.path.join(FIX, "moe_ep2", "ours_back.json")) as f:
         back = json.load(f)["upstream_on_ours"]

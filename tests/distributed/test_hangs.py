@@ -60,8 +60,8 @@ class _BlockInBackward(torch.autograd.Function):
 def _patch(kind: str, iteration: int, out_dir: str, seconds: float | None = None) -> None:
     """Block (``seconds`` None) or sleep / compute ``seconds`` at ``iteration`` of this rank, in ``kind``."""
     import pretrain_gpt
+    from megatron.checkpointing import Checkpointer
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.training import pretrain
 
     def stall(at: bool) -> None:
         if at and seconds is None:
@@ -91,8 +91,9 @@ def _patch(kind: str, iteration: int, out_dir: str, seconds: float | None = None
 
         pretrain_gpt.forward_step = forward_step
     elif kind == "save":
-        save = pretrain.save_checkpoint
-        pretrain.save_checkpoint = lambda engine, it, *a, **k: (stall(it == iteration), save(engine, it, *a, **k))[1]
+        save = Checkpointer.save
+        Checkpointer.save = lambda self, engine, it, *a, **k: (stall(it == iteration),
+                                                               save(self, engine, it, *a, **k))[1]
     elif kind in ("send", "pipe-backward"):
         from deepspeed.runtime.pipe import schedule
         from deepspeed.runtime.pipe.engine import PipelineEngine

@@ -63,7 +63,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
 
 
 def test_host_copy_goes_to_pinned_buffers_reused_between_saves():
-    from megatron.checkpointing.host_copy import HostCopier
+    from megatron.checkpointing.live.host_copy import HostCopier
 
     flat = torch.arange(4096, dtype=torch.float32, device="cuda")
     state = {"w": flat.view(64, 64), "part": flat[128:256], "step": torch.tensor(3)}

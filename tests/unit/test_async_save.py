@@ -14,10 +14,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from megatron.checkpointing import async_save, commit, integrity
-from megatron.checkpointing.async_save import AsyncSaver, PendingSave, RecordingCheckpointEngine
-from megatron.checkpointing.host_copy import HostCopier
-from megatron.checkpointing.safe_io import SafeCheckpointEngine
+from megatron.checkpointing.live import async_save, commit, integrity
+from megatron.checkpointing.live.async_save import AsyncSaver, PendingSave, RecordingCheckpointEngine
+from megatron.checkpointing.live.host_copy import HostCopier
+from megatron.checkpointing.live.safe_io import SafeCheckpointEngine
 from megatron.core import comm
 from megatron.errors import CheckpointError
 

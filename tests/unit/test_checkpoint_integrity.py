@@ -8,8 +8,10 @@ import pytest
 import torch
 import xxhash
 
-from megatron.checkpointing import integrity, space
-from megatron.checkpointing.verify import expected_files, missing_or_short
+from megatron.checkpointing.ds_layout.files import expected_files
+from megatron.checkpointing.live import integrity, space
+from megatron.checkpointing.live.verify import missing_or_short
+from megatron.checkpointing.locate import expected_files as layout_of
 
 
 def test_written_hash_is_the_files_hash_and_the_reread_agrees(tmp_path):
@@ -57,7 +59,7 @@ def test_layout_without_manifest(tmp_path):
         (tmp_path / n).write_bytes(b"x")
     (tmp_path / "zero_pp_rank_1_mp_rank_01_optim_states.pt").write_bytes(b"")
     assert len(expected_files(meta, set(names))) == len(names) + 1  # layers 0..2: layer_01 expected too
-    bad = dict(missing_or_short(str(tmp_path), meta, None))
+    bad = dict(missing_or_short(str(tmp_path), layout_of(meta), None))
     assert bad == {"zero_pp_rank_1_mp_rank_01_optim_states.pt": "is empty (0 bytes)",
                    "layer_01-model_00-model_states.pt": "is missing"}
 

@@ -107,13 +107,13 @@ def test_kill_switch_file_is_agreed_through_the_flags_all_reduce(monkeypatch, tm
 
 
 def test_dp_mean_and_checkpoint_id(nccl, monkeypatch):
-    from megatron.checkpointing import checkpoint
+    from megatron.checkpointing.live import directory
     from megatron.training.pretrain import _dp_mean
 
     _dp_mean(1.25, _pstate())
     _dp_mean(torch.ones((), device=DEVICE), _pstate())
-    monkeypatch.setattr(checkpoint, "rank0", lambda: True)
-    checkpoint._agreed_id()
+    monkeypatch.setattr(directory, "rank0", lambda: True)
+    directory._agreed_id()
     _all_on_device(nccl)
     assert len(nccl) == 3
 

@@ -124,7 +124,7 @@ def test_bytes_per_writer_splits_weights_over_tp_pp_and_optimizer_over_all():
                        "--vocab-size", "256", "--bf16", "--tensor-model-parallel-size", "2", "--zero-stage", "1",
                        "--lr", "1e-3", "--train-iters", "10"])
     run = run_config_from_args(args, 8, 256)
-    from megatron.checkpointing.space import checkpoint_bytes
+    from megatron.checkpointing.live.space import checkpoint_bytes
 
     weights, total = checkpoint_bytes(run, False), checkpoint_bytes(run, True)
     assert dl.bytes_per_writer(run, 8, True) == pytest.approx(weights / 2 + (total - weights) / 8, abs=1)

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from megatron.arguments import parse_args, run_config_from_args
-from megatron.checkpointing.state import RESHARD_DOC, plain_run
+from megatron.checkpointing.resume_checks import RESHARD_DOC
+from megatron.checkpointing.state import plain_run
 from megatron.errors import ConfigError, launcher_rank
 from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group, with_flag
 

@@ -69,7 +69,7 @@ def test_bad_rotary_percent_is_refused():
 def test_hf_llama_has_no_partial_rotary():
     from dataclasses import asdict
 
-    from megatron.checkpointing.hf import from_hf, variant
+    from megatron.checkpointing.hf.dense import from_hf, variant
     from megatron.config.sizes import named_model
 
     with pytest.raises(ConfigError, match="partial rotary has no Llama export"):

@@ -22,14 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.checkpointing.live.markers import META, TRACKER
 from megatron.errors import CheckpointError
 
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's marker: the iteration number (or "release")
 MP_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 ITER_RANK = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
-TRUST_HINT = "pass --trust-checkpoint to unpickle it if you trust where it came from"
-
 
 
 @dataclass
@@ -64,7 +62,7 @@ def find_marked(load: str) -> Found | None:
         if "/" not in tag and is_ds_dir(os.path.join(load, tag)):
             m = re.search(r"(\d+)$", tag)
             return Found("deepspeed", os.path.join(load, tag), int(m.group(1)) if m else 0)
-        return None  # ours, or a broken marker that checkpoint.py names
+        return None  # ours, or a broken marker that live/markers.py names
     it = read_marker(os.path.join(load, TRACKER))
     if it is None:
         return None
@@ -72,8 +70,8 @@ def find_marked(load: str) -> Found | None:
         raise CheckpointError(f"checkpoint marker {os.path.join(load, TRACKER)} holds {it[:40]!r}, not an iteration "
                               "number: write the iteration to resume (e.g. 1000) into it")
     ds = os.path.join(load, f"global_step{it}")
-    if os.path.isfile(os.path.join(ds, "megatron_meta.json")):
-        return None  # ours without its 'latest': checkpoint.py / preflight name that
+    if os.path.isfile(os.path.join(ds, META)):
+        return None  # ours without its 'latest': the preflight names that
     if is_ds_dir(ds):
         return Found("deepspeed", ds, int(it) if it.isdigit() else 0)
     plain = os.path.join(load, "release" if it == "release" else f"iter_{int(it):07d}")
@@ -86,7 +84,7 @@ def find_marked(load: str) -> Found | None:
 
 def is_ds_dir(path: str) -> bool:
     """A global_stepN/-like directory of upstream's: DeepSpeed model or pipeline-layer files, none of our meta."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "megatron_meta.json")):
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, META)):
         return False
     return any(MP_FILE.match(f) or LAYER_FILE.match(f) for f in os.listdir(path))
 

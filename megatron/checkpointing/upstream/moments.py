@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 import torch
 
-from megatron.checkpointing import experts
-from megatron.checkpointing.safe_io import safe_load
-from megatron.checkpointing.upstream.names import flatten, merge_ranks, our_name, pipe_name
+from megatron.checkpointing.ds_layout.files import OPTIM_FILE, OPTIM_FILES, place
+from megatron.checkpointing.live.safe_io import safe_load
+from megatron.checkpointing.upstream.mapping import flatten, merge_ranks
+from megatron.model.param_names import from_upstream, from_upstream_pipe
 
 
 def zero0_moments(states: dict, tp: int, fields: dict, path: str):
@@ -33,7 +33,7 @@ def zero0_moments(states: dict, tp: int, fields: dict, path: str):
             if st["exp_avg"].shape != tensors[name].shape:
                 return None, 0, f"{path}: Adam state {i} does not fit {name} (another param-group order): Adam restarts"
             step = int(st["step"])
-            if (ours := our_name(name)) is not None:
+            if (ours := from_upstream(name)) is not None:
                 per_tp[rank][ours] = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
     moments: dict = {}
     for k in ("exp_avg", "exp_avg_sq"):
@@ -46,8 +46,9 @@ def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, para
                    per_layer: dict[str, int] | None = None):
     """Adam moments from DeepSpeed ZeRO-1/2 optimizer files (each DP rank's flat fp32 partition, mapped to
     parameters by ``param_slice_mappings``), merged over DP, PP and TP. Experts (``per_layer``: experts of each MoE
-    layer) sit in the files under their local index, partitioned over their replicas: placed by experts.place."""
-    files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+    layer) sit in the files under their local index, partitioned over their replicas: placed by
+    ds_layout/files.py's ``place``."""
+    files = sorted(glob.glob(os.path.join(path, OPTIM_FILES)))
     if not files:
         return None, 0, "no ZeRO optimizer files (ZeRO-0 under upstream keeps no per-parameter map): Adam restarts"
     pieces: dict[tuple[int, str], dict[int, dict[int, dict]]] = {}
@@ -56,7 +57,7 @@ def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, para
     ep = (fields.get("moe") or {}).get("ep", 1)
     step, pp_files = 0, bool(roles)
     for f in files:
-        m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", f)
+        m = OPTIM_FILE.search(f)
         dp, mp = int(m.group(1)), int(m.group(2))
         t = mp % tp
         osd = safe_load(f)["optimizer_state_dict"]
@@ -70,16 +71,16 @@ def zero12_moments(path: str, tp: int, roles: dict[int, str], fields: dict, para
                 return None, 0, "the optimizer had not stepped yet"
             step = int(state["step"])
             for name, addr in group.items():
-                local = pipe_name(name, roles) if pp_files else our_name(name)
+                local = from_upstream_pipe(name, roles) if pp_files else from_upstream(name)
                 if local is None:
                     continue
-                ours, part = experts.place(local, dp, ep, per_layer or {})
+                ours, part = place(local, dp, ep, per_layer or {})
                 shape_of[(t, ours)] = local
                 pieces.setdefault((t, ours), {}).setdefault(mp, {})[part] = {
                     k: state[k][addr.start:addr.start + addr.numel] for k in ("exp_avg", "exp_avg_sq")}
         for group in param_shapes.get(mp, []):
             for name, shape in group.items():
-                ours = pipe_name(name, roles) if pp_files else our_name(name)
+                ours = from_upstream_pipe(name, roles) if pp_files else from_upstream(name)
                 if ours is not None:
                     shapes[(t, ours)] = torch.Size(shape)
     per_tp: list[dict] = [{} for _ in range(tp)]

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from megatron.checkpointing import experts
-from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.ds_layout.files import expert_files as ds_expert_files
+from megatron.checkpointing.live.safe_io import safe_load
 from megatron.checkpointing.upstream import universal as universal_form
 from megatron.checkpointing.upstream.layout import (
     ITER_RANK,
@@ -21,17 +21,10 @@ from megatron.checkpointing.upstream.layout import (
     find_marked,
 )
 from megatron.checkpointing.upstream.moments import zero0_moments, zero12_moments
-from megatron.checkpointing.upstream.names import (
-    flatten,
-    merge_ranks,
-    model_fields,
-    our_name,
-    pipe_name,
-    pipe_roles,
-    roles_from_keys,
-)
+from megatron.checkpointing.upstream.mapping import flatten, merge_ranks, model_fields, pipe_roles
 from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
+from megatron.model.param_names import experts_per_layer, from_upstream, from_upstream_pipe, pipe_roles_from_keys
 
 
 def find(load: str, universal: bool = False) -> Found | None:
@@ -58,29 +51,31 @@ def header(found: Found, trust: bool) -> tuple[dict, int, int]:
 def first_args(found: Found, trust: bool) -> dict:
     """Upstream's parsed flags (``args``) as a dict, from the first model file."""
     if found.kind in ("deepspeed", "universal"):
-        names = sorted(f for f in os.listdir(found.path) if MP_FILE.match(f))
-        if not names:
-            raise CheckpointError(f"checkpoint {found.path} has no mp_rank_XX_model_states.pt: the run's state is "
-                                  "missing")
-        path = os.path.join(found.path, names[0])
+        path = os.path.join(found.path, _mp_files(found.path)[0][1])
     else:
         path = os.path.join(found.path, sorted(d for d in os.listdir(found.path) if ITER_RANK.match(d))[0],
                             "model_optim_rng.pt")
     return args_of(load_file(path, trust), path)
 
 
-def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converted:
-    path = found.path
+def _mp_files(path: str) -> list[tuple[int, str]]:
+    """(model-parallel rank, file name) of a global_stepN/'s model files, which hold the run's state."""
     mp_files = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := MP_FILE.match(f)))
     if not mp_files:
         raise CheckpointError(f"checkpoint {path} has no mp_rank_XX_model_states.pt: the run's state is missing")
+    return mp_files
+
+
+def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converted:
+    path = found.path
+    mp_files = _mp_files(path)
     states = {r: load_file(os.path.join(path, f), trust) for r, f in mp_files}  # pipeline: args/RNG only
     first_file, first = os.path.join(path, mp_files[0][1]), states[mp_files[0][0]]
     a = args_of(first, first_file)
     tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
     fields = model_fields(a)
     layer_files = sorted(glob.glob(os.path.join(path, "layer_*-model_*-model_states.pt")))
-    expert_files = experts.expert_files(path)
+    expert_files = ds_expert_files(path)
     per_tp: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     roles: dict[int, str] = {}
     if expert_files and pp > 1:  # DeepSpeed's pipeline engine with MoE: each stage's module in its mp_rank file
@@ -89,7 +84,7 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             for k, v in module.items():
                 # the tied embedding sits on the first and last stage: the first stage's is the one trained
                 # (the last stage's position embeddings are a stale copy)
-                if (n := pipe_name(k, roles)) is not None and torch.is_tensor(v):
+                if (n := from_upstream_pipe(k, roles)) is not None and torch.is_tensor(v):
                     per_tp[rank % tp].setdefault(n, v)
     elif layer_files:  # DeepSpeed's pipeline engine (upstream's default under --deepspeed, even at PP=1)
         roles = pipe_roles(layer_files)
@@ -97,7 +92,7 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             m = LAYER_FILE.match(os.path.basename(f))
             idx, rank = int(m.group(1)), int(m.group(2))
             for k, v in safe_load(f).items():
-                name = pipe_name(f"{idx}.{k}", roles)
+                name = from_upstream_pipe(f"{idx}.{k}", roles)
                 if name is not None and torch.is_tensor(v):
                     per_tp[rank][name] = v
     else:
@@ -105,17 +100,15 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             raise CheckpointError(f"checkpoint {path} has {len(mp_files)} mp_rank_XX_model_states.pt files for "
                                   f"--tensor-model-parallel-size {tp}: the checkpoint is incomplete")
         for rank, fname in mp_files:
-            module = states[rank].get("module")
-            if not isinstance(module, dict):
-                raise CheckpointError(f"checkpoint file {os.path.join(path, fname)} holds no 'module' weights")
+            module = _module(states[rank], os.path.join(path, fname))
             # state_dict_for_save_checkpoint nests {language_model: {embedding: .., encoder: ..}}: flatten it
             # DeepSpeed 0.19.8 leaves upstream's lifted "encoderlayers.N...experts..." copies of this rank's experts
-            # in the model file: the per-expert files hold them all (our_name skips these names)
+            # in the model file: the per-expert files hold them all (from_upstream skips these names)
             per_tp[rank] = {n: v for k, v in flatten(module).items()
-                            if (n := our_name(k)) is not None and torch.is_tensor(v)}
+                            if (n := from_upstream(k)) is not None and torch.is_tensor(v)}
     for _, _, mp, f in expert_files:  # DeepSpeed's per-expert files: names carry the global expert index
         for k, v in safe_load(f).items():
-            n = pipe_name(k, roles) if roles else our_name(k)
+            n = from_upstream_pipe(k, roles) if roles else from_upstream(k)
             if n is not None and torch.is_tensor(v):
                 per_tp[mp % tp][n] = v
     weights = merge_ranks(per_tp, fields)
@@ -134,7 +127,7 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
     elif with_optimizer:
         shapes = {r: s.get("param_shapes") or [] for r, s in states.items()}
         out.moments, out.optimizer_step, out.optimizer_note = zero12_moments(
-            path, tp, roles, fields, shapes, experts.local_counts(weights))
+            path, tp, roles, fields, shapes, experts_per_layer(weights))
     return out
 
 
@@ -143,15 +136,20 @@ def _pipe_moe_roles(states: dict, path: str, mp_files) -> tuple[dict[int, str], 
     mp_rank files hold each stage's engine-level module (``2.self_attention...``, ``tied_modules.embed...``)."""
     modules, keys = {}, {}
     for rank, fname in mp_files:
-        module = states[rank].get("module")
-        if not isinstance(module, dict):
-            raise CheckpointError(f"checkpoint file {os.path.join(path, fname)} holds no 'module' weights")
-        modules[rank] = module
+        modules[rank] = module = _module(states[rank], os.path.join(path, fname))
         for k in module:
             idx, _, rest = k.partition(".")
             if idx.isdigit():
                 keys.setdefault(int(idx), set()).add(rest)
-    return roles_from_keys(keys), modules
+    return pipe_roles_from_keys(keys), modules
+
+
+def _module(state: dict, path: str) -> dict:
+    """The weights of one Megatron-DeepSpeed model file (``module``)."""
+    module = state.get("module")
+    if not isinstance(module, dict):
+        raise CheckpointError(f"checkpoint file {path} holds no 'module' weights")
+    return module
 
 
 def _read_megatron(found: Found, trust: bool) -> Converted:
@@ -179,7 +177,7 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
             raise CheckpointError(f"checkpoint file {ranks[(t, stage)]} holds no 'model' (a virtual-pipeline "
                                   "checkpoint? convert it with the same --virtual-pipeline layout first)")
         for k, v in flatten(model).items():
-            if (n := our_name(k, stage * per_stage_layers)) is not None and torch.is_tensor(v):
+            if (n := from_upstream(k, stage * per_stage_layers)) is not None and torch.is_tensor(v):
                 per_tp[t][n] = v
     weights = merge_ranks(per_tp, fields)
     first = states[min(ranks)]

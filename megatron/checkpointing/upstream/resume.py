@@ -1,6 +1,7 @@
 """``--load`` of an upstream Megatron-DeepSpeed ``global_stepN/`` (or, with ``--universal-checkpoint``, DeepSpeed's
-universal form of one) or plain Megatron ``iter_NNNNNNN/`` checkpoint:
-its preflight check (before any process group) and the load into the model (before deepspeed.initialize).
+universal form of one) or plain Megatron ``iter_NNNNNNN/`` checkpoint: its preflight check (before any process
+group) and its format (``UpstreamFormat``): the load into the model before deepspeed.initialize, then the engine's
+LR position and Adam moments as after a full state's.
 
 The checkpoint is read whole (reader.py: every TP/PP file, merged into our names), then each rank copies its
 shard in, as for a full-state ``--load``; so any TP/PP/ZeRO layout here can resume it. Carried over: weights
@@ -14,11 +15,16 @@ from __future__ import annotations
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megatron.checkpointing.full_state import VOCAB_PARAMS, load_into_model
-from megatron.checkpointing.state import Resume, check_experts, check_model_shape
+from megatron.checkpointing.full_state.format import FullStateFormat
+from megatron.checkpointing.full_state.shard import load_into_model
+from megatron.checkpointing.resume_checks import check_experts, check_model_shape
+from megatron.checkpointing.state import Resume
 from megatron.checkpointing.upstream.layout import Converted, Found, describe
 from megatron.checkpointing.upstream.reader import header, read
+from megatron.config import RunConfig
+from megatron.core.parallel_state import ParallelState
 from megatron.errors import CheckpointError
+from megatron.model.param_names import VOCAB_PARAMS
 
 
 def check_upstream(found: Found, settings, run) -> None:
@@ -40,9 +46,21 @@ def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
                               "use the tokenizer the checkpoint was trained with")
 
 
+class UpstreamFormat(FullStateFormat):
+    """``found``: the upstream checkpoint ``--load`` names (upstream.find's)."""
+
+    def __init__(self, run: RunConfig, pstate: ParallelState, found: Found) -> None:
+        super().__init__(run, pstate, found.path)
+        self.found = found
+
+    def load_into_model(self, model) -> None:
+        """Before deepspeed.initialize: this rank's shard into ``model``; the Adam moments are kept for ``resume``."""
+        self.loaded = load_upstream(self.found, model, self.run, self.pstate, self.run.checkpoint)
+
+
 def load_upstream(found: Found, model, run, pstate, settings) -> Resume:
     """Before deepspeed.initialize: this rank's shard of the upstream checkpoint ``found`` into ``model``; a Resume
-    with the Adam moments for load_checkpoint."""
+    with the Adam moments for the engine."""
     optim = not (settings.finetune or settings.no_load_optim)
     conv = read(found, settings.trust_checkpoint, with_optimizer=optim)
     _check(conv.model, conv.padded_vocab_size, conv.layout["tp"], run, settings.load)

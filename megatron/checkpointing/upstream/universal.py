@@ -8,8 +8,8 @@ replicated over TP; ``param_n_sub_params`` 2: the two halves of a GLU weight mer
 ``vocab_tensor``: vocabulary rows cut to the tokenizer's size).
 
 Here the tensors are split back into the writer's TP shards and go through the same mapping as a ``global_stepN/``
-(names.py: names, QKV order, TP merge in our layout), so any TP/PP/ZeRO layout can resume them. Vocabulary rows
-beyond the tokenizer come back as zeros, as DeepSpeed's universal loader pads them.
+(megatron/model/param_names.py: names; mapping.py: QKV order, TP merge in our layout), so any TP/PP/ZeRO layout can
+resume them. Vocabulary rows beyond the tokenizer come back as zeros, as DeepSpeed's universal loader pads them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import re
 
 import torch
 
-from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.live.safe_io import safe_load
 from megatron.checkpointing.upstream.layout import MP_FILE, Converted, Found, is_ds_dir, read_marker
-from megatron.checkpointing.upstream.names import merge_ranks, model_fields, our_name, pipe_name, roles_from_keys
+from megatron.checkpointing.upstream.mapping import merge_ranks, model_fields
 from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
+from megatron.model.param_names import from_upstream, from_upstream_pipe, is_pipeline_name, pipe_roles_from_keys
 
 TRACKER = "latest_universal"
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -69,7 +70,7 @@ def _pipeline_roles(names: list[str]) -> dict[int, str]:
         m = re.match(r"^(\d+)\.(.+)$", n)
         if m:
             keys.setdefault(int(m.group(1)), set()).add(m.group(2))
-    return roles_from_keys(keys)
+    return pipe_roles_from_keys(keys)
 
 
 def read(found: Found, trust: bool, with_optimizer: bool) -> Converted:
@@ -82,12 +83,12 @@ def read(found: Found, trust: bool, with_optimizer: bool) -> Converted:
     tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
     fields, padded_vocab = model_fields(a), int(a["padded_vocab_size"])
     names = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
-    pipeline = any(n.startswith("tied_modules.") or n[:1].isdigit() for n in names)
+    pipeline = any(is_pipeline_name(n) for n in names)
     roles = _pipeline_roles(names) if pipeline else {}
     per_state = {s: [{} for _ in range(tp)] for s in _STATES}
     step, note = 0, "Adam moments loaded (universal checkpoint)"
     for n in names:
-        ours = pipe_name(n, roles) if pipeline else our_name(n)
+        ours = from_upstream_pipe(n, roles) if pipeline else from_upstream(n)
         if ours is None:
             continue
         for s in _STATES if with_optimizer else ("fp32",):

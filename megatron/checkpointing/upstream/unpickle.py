@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.live.safe_io import safe_load
 from megatron.errors import CheckpointError
 
 TRUST_HINT = "pass --trust-checkpoint to unpickle it if you trust where it came from"

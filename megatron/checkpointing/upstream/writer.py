@@ -14,24 +14,30 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections import OrderedDict
 
 import deepspeed
 import torch
 
-from megatron.checkpointing import experts
-from megatron.checkpointing.full_state import VOCAB_PARAMS
-from megatron.checkpointing.upstream.layout import TRACKER
+from megatron.checkpointing.live.markers import LATEST, TRACKER
 from megatron.checkpointing.upstream import writer_zero
-from megatron.checkpointing.upstream.names import local_heads, tp_split
+from megatron.checkpointing.upstream.mapping import local_heads
 from megatron.errors import CheckpointError
-
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+from megatron.model.param_names import (
+    VOCAB_PARAMS,
+    expert_index,
+    expert_layer_key,
+    experts_per_layer,
+    is_fused_qkv,
+    layer_index,
+    tp_split,
+    upstream_flat,
+    upstream_nested,
+)
 
 
 def qkv_to_upstream(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Inverse of names.qkv_to_ours: one TP rank's rows from ours (per KV group [q_1 .. q_g, k, v]) to upstream's
+    """Inverse of mapping.qkv_to_ours: one TP rank's rows from ours (per KV group [q_1 .. q_g, k, v]) to upstream's
     [Q | K | V]."""
     rest, g = t.shape[1:], heads // kv_heads
     grouped = t.reshape(kv_heads, g + 2, head_dim, *rest)  # [nkv, g + 2, d, (h)]
@@ -40,28 +46,15 @@ def qkv_to_upstream(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -
     return torch.cat([q, k, v])
 
 
-def upstream_name(name: str) -> tuple[str, ...]:
-    """Where one of our full-state names sits in upstream's nested ``module``: (nesting keys..., leaf key)."""
-    if name == "embedding.word_embeddings.weight":
-        return ("language_model", "embedding", "word_embeddings", "weight")
-    if name == "embedding.position_embeddings":
-        return ("language_model", "embedding", "position_embeddings", "weight")
-    if name == "output_layer.linear.weight":
-        return ("language_model", "output_layer", "weight")
-    if name.startswith("final_layernorm.") or _LAYER.match(name):
-        return ("language_model", "encoder", name)
-    raise CheckpointError(f"{name}: no place for it in upstream's GPT model")
-
-
 def tp_shard(name: str, t: torch.Tensor, fields: dict, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's piece of a full tensor, in upstream's form (its [Q | K | V] per rank)."""
     expert_tp = (fields.get("moe") or {}).get("enable_expert_tensor_parallelism", False)
-    split = None if experts.expert_index(name) is not None and not expert_tp else tp_split(name, fields["swiglu"])
+    split = None if expert_index(name) is not None and not expert_tp else tp_split(name, fields["swiglu"])
     if split is not None:
         dim, stride = split
         blocks = t.chunk(stride, dim=dim)  # each stride block split evenly (ColumnParallel of a GLU's two halves)
         t = torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
-    if "query_key_value" in name:
+    if is_fused_qkv(name):
         t = qkv_to_upstream(t, *local_heads(fields, tp))
     return t.contiguous().clone()
 
@@ -120,8 +113,8 @@ def write_upstream(out: str, full: dict[str, torch.Tensor], fields: dict, progre
         if not progress.get("lr_scheduler"):
             raise CheckpointError("the checkpoint keeps no LR scheduler state: upstream's optimizer files need the lr")
         moments = {k: pad_vocab(_pick(moments, k), padded_vocab) for k in ("exp_avg", "exp_avg_sq")}
-    per_layer = experts.local_counts(full)
-    moe_ids = {prefix: i for i, prefix in enumerate(sorted(per_layer, key=lambda p: int(_LAYER.match(p).group(1))))}
+    per_layer = experts_per_layer(full)
+    moe_ids = {prefix: i for i, prefix in enumerate(sorted(per_layer, key=layer_index))}
     layer_counts = [per_layer[p] for p in sorted(moe_ids, key=moe_ids.get)]  # DeepSpeed's engine.num_experts
     args = argparse.Namespace(**upstream_args(fields, padded_vocab, tp, dp, progress, run_flags))
     for rank in range(tp):
@@ -129,11 +122,11 @@ def write_upstream(out: str, full: dict[str, torch.Tensor], fields: dict, progre
         expert_files: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         shards = {name: tp_shard(name, t, fields, tp, rank) for name, t in full.items()}
         for name, shard in shards.items():
-            if (prefix := experts.layer_key(name)) is not None:
-                key = (moe_ids[prefix], experts.expert_index(name))
-                expert_files.setdefault(key, {})[f"language_model.encoder.{name}"] = shard
+            if (prefix := expert_layer_key(name)) is not None:
+                key = (moe_ids[prefix], expert_index(name))
+                expert_files.setdefault(key, {})[upstream_flat(name)] = shard
                 continue
-            *outer, leaf = upstream_name(name)
+            *outer, leaf = upstream_nested(name)
             node = module
             for i, k in enumerate(outer):
                 node = node.setdefault(k, OrderedDict() if i == len(outer) - 1 else {})
@@ -158,7 +151,7 @@ def write_upstream(out: str, full: dict[str, torch.Tensor], fields: dict, progre
                  "args": args, "checkpoint_version": 3.0, "iteration": it,
                  "tokens": int(progress["consumed_samples"]) * int(run_flags.get("seq_length", 0) or 0)}
         torch.save(state, os.path.join(step, f"mp_rank_{rank:02d}_model_states.pt"))
-    for marker, text in (("latest", f"global_step{it}"), (TRACKER, str(it))):  # after the files they name
+    for marker, text in ((LATEST, f"global_step{it}"), (TRACKER, str(it))):  # after the files they name
         with open(os.path.join(out, marker), "w") as f:
             f.write(text)
     return step

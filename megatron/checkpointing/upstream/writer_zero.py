@@ -13,7 +13,6 @@ without pipeline, from full weights and Adam moments, laid out as DeepSpeed 0.19
 from __future__ import annotations
 
 import math
-import re
 from collections import OrderedDict
 
 import torch
@@ -21,33 +20,9 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megatron.checkpointing import experts
+from megatron.checkpointing.ds_layout.files import ep_coords
 from megatron.errors import CheckpointError
-
-_IN_LAYER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.query_key_value.weight",
-             "self_attention.query_key_value.bias", "self_attention.dense.weight", "self_attention.dense.bias",
-             "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight",
-             "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias",
-             "mlp.deepspeed_moe.gate.wg.weight"]
-_IN_EXPERT = ["dense_h_to_4h.weight", "dense_h_to_4h.bias", "dense_4h_to_h.weight", "dense_4h_to_h.bias"]
-_TOP = {"embedding.word_embeddings.weight": (0, 0), "embedding.position_embeddings": (0, 1),
-        "final_layernorm.weight": (2, 0), "final_layernorm.bias": (2, 1), "output_layer.linear.weight": (3, 0)}
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$")
-
-
-def module_order(name: str) -> tuple:
-    """Sort key: upstream's module order of one of our full-state names (embedding, layers, final norm, head)."""
-    if name in _TOP:
-        return (_TOP[name][0], 0, _TOP[name][1])
-    m = _LAYER.match(name)
-    if m:
-        rest = m.group(2)
-        if e := _EXPERT.match(rest):
-            return (1, int(m.group(1)), len(_IN_LAYER), int(e.group(1)), _IN_EXPERT.index(e.group(2)))
-        if rest in _IN_LAYER:
-            return (1, int(m.group(1)), _IN_LAYER.index(rest))
-    raise CheckpointError(f"{name}: not a parameter of upstream's GPT model")
+from megatron.model.param_names import expert_index, expert_layer_key, upstream_flat, upstream_order, with_expert
 
 
 def scheduler_lr(sd: dict) -> float:
@@ -71,29 +46,19 @@ def groups_for(shards: dict[str, torch.Tensor], ep: int, ep_rank: int, per_layer
     """Upstream's param groups of one DP rank: [(group name, wd_mult, is_moe, [(flat upstream name, our name)])]; the
     expert groups hold EP rank ``ep_rank``'s experts under their local index."""
     dense_wd, dense_no, exp_wd, exp_no = [], [], [], []
-    for name in sorted(shards, key=module_order):
-        if (g := experts.expert_index(name)) is not None:
-            local = per_layer[experts.layer_key(name)] // ep
+    for name in sorted(shards, key=upstream_order):
+        if (g := expert_index(name)) is not None:
+            local = per_layer[expert_layer_key(name)] // ep
             if g // local != ep_rank:
                 continue
-            up = "language_model.encoder." + experts.with_expert(name, g % local)
+            up = upstream_flat(with_expert(name, g % local))
             (exp_wd if shards[name].dim() > 1 else exp_no).append((up, name))
         else:
-            (dense_wd if shards[name].dim() > 1 else dense_no).append((flat_name(name), name))
+            (dense_wd if shards[name].dim() > 1 else dense_no).append((upstream_flat(name), name))
     out = [("wd_no_scale_lr", 1.0, False, dense_wd), ("no_wd_no_scale_lr", 0.0, False, dense_no)]
     if exp_wd or exp_no:
         out += [(f"ep_size_{ep}", 1.0, True, exp_wd), (f"ep_size_{ep}", 0.0, True, exp_no)]  # DeepSpeed's group names
     return [g for g in out if g[3]]
-
-
-def flat_name(name: str) -> str:
-    """Upstream's flat parameter name (its optimizer files' and param_shapes' keys) for one of ours."""
-    if name.startswith("embedding."):
-        rest = name[len("embedding."):]
-        return f"language_model.embedding.{rest if rest.endswith('.weight') else rest + '.weight'}"
-    if name == "output_layer.linear.weight":
-        return "language_model.output_layer.weight"
-    return f"language_model.encoder.{name}"
 
 
 def param_shapes(shards: dict[str, torch.Tensor], ep: int, per_layer: dict[str, int]) -> list[OrderedDict]:
@@ -109,7 +74,7 @@ def zero_states(shards: dict[str, torch.Tensor], moments: dict[str, dict[str, to
     lr = scheduler_lr(scheduler)
     files = []
     for d in range(dp):
-        ep_rank, replica = experts.ep_coords(d, ep)
+        ep_rank, replica = ep_coords(d, ep)
         fp32, state, param_groups, mappings, paddings, counts, aligns = [], {}, [], [], [], [], []
         for g, (gname, wd_mult, moe, params) in enumerate(groups_for(shards, ep, ep_rank, per_layer)):
             parts = dp // ep if moe else dp

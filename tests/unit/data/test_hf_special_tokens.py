@@ -4,7 +4,7 @@ tokenizer flags a checkpoint recorded, or given to the exporter."""
 import json
 import os
 
-from megatron.checkpointing.hf_tokens import special_ids_of_checkpoint, tokenizer_special_ids
+from megatron.checkpointing.hf.tokens import special_ids_of_checkpoint, tokenizer_special_ids
 from megatron.tokenizer import build_tokenizer
 
 

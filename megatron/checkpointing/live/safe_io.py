@@ -16,7 +16,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron import ds_seams
-from megatron.checkpointing import integrity
+from megatron.checkpointing.live import integrity
 from megatron.errors import CheckpointError
 
 
@@ -59,7 +59,7 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
 
     A failed write (ENOSPC, EDQUOT, EIO) does not raise here: it is kept in ``failure`` and later writes of the
     same save are skipped, so this rank still reaches DeepSpeed's barriers with the others; the save protocol
-    (checkpoint.py) then agrees on the failure over all ranks and reports it once."""
+    (directory.py) then agrees on the failure over all ranks and reports it once."""
 
     drop_optimizer = False
     """--no-save-optim under ZeRO-0: DeepSpeed keeps the optimizer inside the model file; write None there."""

@@ -2,7 +2,7 @@
 
 Writers hand ``torch.save`` a ``HashingWriter`` (a file-like object) instead of a path, so each byte is hashed
 as it streams to the file: no second read. Each process keeps what it wrote (``recorded``); the save protocol
-(checkpoint.py) gathers the records of every rank and writes ``DIR/<tag>/integrity.json`` before ``latest``
+(directory.py) gathers the records of every rank and writes ``DIR/<tag>/integrity.json`` before ``latest``
 moves::
 
     {"format": "megatron-frontier/integrity-v1", "algorithm": "xxh3_128",
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from megatron.checkpointing.atomic import atomic_write_bytes
+from megatron.checkpointing.live.atomic import atomic_write_bytes
 from megatron.errors import CheckpointError
 
 MANIFEST = "integrity.json"

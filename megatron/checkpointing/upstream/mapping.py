@@ -1,52 +1,22 @@
-"""Upstream's parameter names, fused-QKV order and TP splits, mapped to ours (GPTModel's, full_state.py).
+"""Upstream's flags, fused-QKV order and TP splits, mapped to ours (the names: megatron/model/param_names.py).
 
-Names (upstream -> ours; pipeline files drop the ``language_model.`` / ``encoder.layers.N.`` prefixes and number
-layers by file): ``language_model.embedding.word_embeddings.weight`` -> ``embedding.word_embeddings.weight``,
-``...position_embeddings.weight`` -> ``embedding.position_embeddings``, ``language_model.encoder.layers.N.X`` (or
-``transformer.layers``) -> ``layers.N.X`` for ``input_layernorm``, ``self_attention.query_key_value``,
-``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``, ``mlp.dense_4h_to_h``;
-``encoder.final_layernorm`` -> ``final_layernorm``; ``language_model.output_layer.weight`` ->
-``output_layer.linear.weight``. Upstream's fused QKV (``ParallelAttention.forward`` at its pinned commit) is, on
-each TP rank, all local queries, then all keys, then all values ``[Q | K | V]``; ours is per KV group
-``[q_1 .. q_g, k, v]``: ``qkv_to_ours`` permutes each TP rank's rows (weights and Adam moments) before the TP merge.
+Upstream's fused QKV (``ParallelAttention.forward`` at its pinned commit) is, on each TP rank, all local queries, then
+all keys, then all values ``[Q | K | V]``; ours is per KV group ``[q_1 .. q_g, k, v]``: ``qkv_to_ours`` permutes each
+TP rank's rows (weights and Adam moments) before the TP merge. Upstream's flags that decide shapes and arithmetic
+become our ModelConfig fields (``model_fields``); variants this trainer does not implement are refused.
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
-from megatron.checkpointing.experts import expert_index
-from megatron.checkpointing.full_state import VOCAB_PARAMS, merge_tp
-from megatron.checkpointing.safe_io import safe_load
+from megatron.checkpointing.full_state.merge import merge_tp
+from megatron.checkpointing.live.safe_io import safe_load
 from megatron.checkpointing.upstream.layout import LAYER_FILE
 from megatron.errors import CheckpointError
-
-_LAYER_NAME = re.compile(r"^(?:language_model\.)?(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
-_PLAIN = {
-    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
-    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings",
-    "language_model.encoder.final_layernorm.weight": "final_layernorm.weight",
-    "language_model.encoder.final_layernorm.bias": "final_layernorm.bias",
-    "language_model.transformer.final_layernorm.weight": "final_layernorm.weight",
-    "language_model.transformer.final_layernorm.bias": "final_layernorm.bias",
-    "language_model.output_layer.weight": "output_layer.linear.weight",
-}
-
-
-def our_name(name: str, layer_offset: int = 0) -> str | None:
-    """GPTModel's name for an upstream GPTModel parameter (None: not a weight we keep, e.g. rotary buffers)."""
-    if name in _PLAIN:
-        return _PLAIN[name]
-    m = _LAYER_NAME.match(name)
-    if m:
-        rest = m.group(2)
-        if "rotary" in rest or rest.endswith("inv_freq"):
-            return None
-        return f"layers.{int(m.group(1)) + layer_offset}.{rest}"
-    return None
+from megatron.model.param_names import expert_index, is_fused_qkv, pipe_roles_from_keys, tp_split
 
 
 def pipe_roles(files: list[str]) -> dict[int, str]:
@@ -56,51 +26,7 @@ def pipe_roles(files: list[str]) -> dict[int, str]:
     for f in files:
         idx = int(LAYER_FILE.match(os.path.basename(f)).group(1))
         keys.setdefault(idx, set()).update(safe_load(f, mmap=True).keys())
-    return roles_from_keys(keys)
-
-
-def roles_from_keys(keys: dict[int, set[str]]) -> dict[int, str]:
-    """Pipeline layer index -> role, from the parameter names (within the layer) each index holds."""
-    roles, n = {}, 0
-    for idx in sorted(keys):
-        k = keys[idx]
-        if "word_embeddings.weight" in k:
-            roles[idx] = "embedding"
-        elif any(x.startswith("self_attention.") for x in k):
-            roles[idx], n = f"layers.{n}", n + 1
-        elif k <= {"weight", "bias"} and n > 0:
-            roles[idx] = "final_layernorm"
-        elif any("weight" in x for x in k):
-            roles[idx] = "output_layer"
-    return roles
-
-
-def pipe_name(name: str, roles: dict[int, str]) -> str | None:
-    """Our name for a parameter of upstream's GPTModelPipe, file-local (``word_embeddings.weight`` in layer 1) or
-    engine-level (``tied_modules.embed.word_embeddings.weight``, ``2.self_attention.dense.weight``)."""
-    if name.startswith("tied_modules.embed."):
-        rest = name[len("tied_modules.embed."):]
-        return "embedding.position_embeddings" if rest == "position_embeddings.weight" else f"embedding.{rest}"
-    m = re.match(r"^(\d+)\.(.+)$", name)
-    if not m or int(m.group(1)) not in roles:
-        return None
-    role, rest = roles[int(m.group(1))], m.group(2)
-    if role == "embedding":
-        return "embedding.position_embeddings" if rest == "position_embeddings.weight" else f"embedding.{rest}"
-    if role == "output_layer":
-        return "output_layer.linear.weight"
-    if "rotary" in rest or rest.endswith("inv_freq"):
-        return None
-    return f"{role}.{rest}"
-
-
-def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
-    """(partition dim, stride) of a TP-sharded parameter under our names, as megatron/model builds them."""
-    if name in VOCAB_PARAMS or re.search(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$", name):
-        return 0, 2 if swiglu and "dense_h_to_4h" in name else 1
-    if re.search(r"(self_attention\.dense|dense_4h_to_h)\.weight$", name):
-        return 1, 1
-    return None
+    return pipe_roles_from_keys(keys)
 
 
 # Upstream variants this trainer does not implement: resuming them here would silently compute something else.
@@ -185,7 +111,7 @@ def merge_ranks(per_tp: list[dict[str, torch.Tensor]], fields: dict) -> dict[str
     for name in per_tp[0]:
         # upstream's experts are whole on every TP rank unless --enable-expert-tensor-parallelism (as ours)
         split = None if expert_index(name) is not None and not expert_tp else tp_split(name, fields["swiglu"])
-        shards = [qkv_to_ours(s[name], *local) if "query_key_value" in name else s[name] for s in per_tp]
+        shards = [qkv_to_ours(s[name], *local) if is_fused_qkv(name) else s[name] for s in per_tp]
         full[name] = merge_tp(shards, *split) if split else shards[0]
     return {k: v.detach().float().clone().contiguous() if v.is_floating_point() else v.clone()
             for k, v in full.items()}

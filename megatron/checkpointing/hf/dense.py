@@ -1,5 +1,6 @@
 """Our full state dict <-> HF transformers: GPT2LMHeadModel (GPT-2 variant), LlamaForCausalLM (Llama variant) and
-GPTNeoXForCausalLM (layernorm + GELU + rotary, the variant partial rotary --rotary-percent exports to).
+GPTNeoXForCausalLM (layernorm + GELU + rotary, the variant partial rotary --rotary-percent exports to). The names on
+both sides are megatron/model/param_names.py's; this module does the arithmetic.
 
 Facts the mapping rests on (read from HF's modeling_gpt2.py / modeling_llama.py):
 - GPT-2's c_attn / c_proj / c_fc are ``Conv1D``: weights are stored [in, out], the transpose of nn.Linear.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron.errors import ConfigError
+from megatron.model.param_names import HF_GPT2, HF_LLAMA, HF_NEOX, HF_NEOX_HEADS, OURS, Naming
 
 GPT2, LLAMA, NEOX = "gpt2", "llama", "gpt_neox"
 # HF GPT-2 activation_function -> our openai_gelu (tanh approximation); anything else is refused.
@@ -68,36 +70,41 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> tor
     return x.reshape((nq + 2 * nkv) * d, *rest)
 
 
-def llama_attention_to_hf(full: dict[str, torch.Tensor], i: int, m: dict) -> dict[str, torch.Tensor]:
+def llama_attention_to_hf(full: dict[str, torch.Tensor], i: int, m: dict,
+                          theirs: Naming = HF_LLAMA) -> dict[str, torch.Tensor]:
     """Layer i's two norms and attention weights (no biases) as a HF Llama-family model names them (inverse of
     ``llama_attention_from_hf``)."""
-    src, dst = f"layers.{i}.", f"model.layers.{i}."
-    out = {f"{dst}input_layernorm.weight": full[f"{src}input_layernorm.weight"],
-           f"{dst}post_attention_layernorm.weight": full[f"{src}post_attention_layernorm.weight"],
-           f"{dst}self_attn.o_proj.weight": full[f"{src}self_attention.dense.weight"]}
-    for name, t in zip(("q_proj", "k_proj", "v_proj"),
-                       _split_qkv(full[f"{src}self_attention.query_key_value.weight"], m), strict=True):
-        out[f"{dst}self_attn.{name}.weight"] = t
+    src, dst = OURS.in_layer(i), theirs.in_layer(i)
+    out = {dst("input_norm"): full[src("input_norm")], dst("post_norm"): full[src("post_norm")],
+           dst("attn_out"): full[src("attn_out")]}
+    for role, t in zip(("q", "k", "v"), _split_qkv(full[src("qkv")], m), strict=True):
+        out[dst(role)] = t
     return out
 
 
-def llama_attention_from_hf(hf: dict[str, torch.Tensor], i: int, m: dict) -> dict[str, torch.Tensor]:
+def llama_attention_from_hf(hf: dict[str, torch.Tensor], i: int, m: dict,
+                            theirs: Naming = HF_LLAMA) -> dict[str, torch.Tensor]:
     """Layer i's two norms and attention weights (no biases) of a HF Llama-family model (Llama, Mixtral,
     Qwen2-MoE) under our names; q/k/v joined into our per-group QKV."""
-    src, dst = f"model.layers.{i}.", f"layers.{i}."
-    a = f"{src}self_attn."
-    return {f"{dst}input_layernorm.weight": hf[f"{src}input_layernorm.weight"],
-            f"{dst}post_attention_layernorm.weight": hf[f"{src}post_attention_layernorm.weight"],
-            f"{dst}self_attention.query_key_value.weight": _join_qkv(
-                hf[f"{a}q_proj.weight"], hf[f"{a}k_proj.weight"], hf[f"{a}v_proj.weight"], m),
-            f"{dst}self_attention.dense.weight": hf[f"{a}o_proj.weight"]}
+    src, dst = theirs.in_layer(i), OURS.in_layer(i)
+    return {dst("input_norm"): hf[src("input_norm")], dst("post_norm"): hf[src("post_norm")],
+            dst("qkv"): _join_qkv(hf[src("q")], hf[src("k")], hf[src("v")], m),
+            dst("attn_out"): hf[src("attn_out")]}
 
 
-def swiglu_mlp_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """A HF SwiGLU MLP's weights (``src`` + gate_proj/up_proj/down_proj) as ours (``dst`` + dense_h_to_4h, the gate
-    stacked over the up projection, and dense_4h_to_h)."""
-    return {f"{dst}dense_h_to_4h.weight": torch.cat([hf[f"{src}gate_proj.weight"], hf[f"{src}up_proj.weight"]]),
-            f"{dst}dense_4h_to_h.weight": hf[f"{src}down_proj.weight"]}
+def swiglu_mlp_from_hf(hf: dict[str, torch.Tensor], i: int, theirs: Naming = HF_LLAMA) -> dict[str, torch.Tensor]:
+    """Layer i's HF SwiGLU MLP weights (gate, up, down) as ours (fc1: the gate stacked over the up projection;
+    fc2)."""
+    src, dst = theirs.in_layer(i), OURS.in_layer(i)
+    return {dst("fc1"): torch.cat([hf[src("gate")], hf[src("up")]]), dst("fc2"): hf[src("fc2")]}
+
+
+def swiglu_mlp_to_hf(full: dict[str, torch.Tensor], i: int, m: dict,
+                     theirs: Naming = HF_LLAMA) -> dict[str, torch.Tensor]:
+    """Inverse of ``swiglu_mlp_from_hf`` (weights only)."""
+    src, dst = OURS.in_layer(i), theirs.in_layer(i)
+    gate, up = full[src("fc1")].split(m["ffn_hidden_size"])  # our fc1 is [gate; up]
+    return {dst("gate"): gate, dst("up"): up, dst("fc2"): full[src("fc2")]}
 
 
 def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -110,28 +117,29 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
         return _neox_to_hf(full, m)
     if kind == GPT2:
         bias = m["add_bias_linear"]
-        out["transformer.wte.weight"] = full["embedding.word_embeddings.weight"]
-        out["transformer.wpe.weight"] = full["embedding.position_embeddings"]
+        g = HF_GPT2
+        out[g.embedding] = full[OURS.embedding]
+        out[g.position] = full[OURS.position]
         for i in range(nl):
-            src, dst = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
-                out[f"{dst}{theirs}.weight"] = full[f"{src}{ours}.weight"]
-                out[f"{dst}{theirs}.bias"] = full[f"{src}{ours}.bias"]
-            qkv = full[f"{src}self_attention.query_key_value.weight"]
-            out[f"{dst}attn.c_attn.weight"] = torch.cat(_split_qkv(qkv, m)).t()
-            qkv_b = full.get(f"{src}self_attention.query_key_value.bias") if bias else None
-            out[f"{dst}attn.c_attn.bias"] = torch.cat(_split_qkv(qkv_b, m)) if bias else qkv.new_zeros(3 * h)
-            out[f"{dst}attn.c_proj.weight"] = full[f"{src}self_attention.dense.weight"].t()
-            out[f"{dst}attn.c_proj.bias"] = full[f"{src}self_attention.dense.bias"] if bias else qkv.new_zeros(h)
-            fc1 = full[f"{src}mlp.dense_h_to_4h.weight"]
-            out[f"{dst}mlp.c_fc.weight"] = fc1.t()
-            out[f"{dst}mlp.c_fc.bias"] = full[f"{src}mlp.dense_h_to_4h.bias"] if bias else fc1.new_zeros(fc1.shape[0])
-            out[f"{dst}mlp.c_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"].t()
-            out[f"{dst}mlp.c_proj.bias"] = full[f"{src}mlp.dense_4h_to_h.bias"] if bias else qkv.new_zeros(h)
-        out["transformer.ln_f.weight"] = full["final_layernorm.weight"]
-        out["transformer.ln_f.bias"] = full["final_layernorm.bias"]
+            src, dst = OURS.in_layer(i), g.in_layer(i)
+            for role in ("input_norm", "post_norm"):
+                out[dst(role)] = full[src(role)]
+                out[dst(role, "bias")] = full[src(role, "bias")]
+            qkv = full[src("qkv")]
+            out[dst("qkv")] = torch.cat(_split_qkv(qkv, m)).t()  # Conv1D: [in, out]
+            qkv_b = full.get(src("qkv", "bias")) if bias else None
+            out[dst("qkv", "bias")] = torch.cat(_split_qkv(qkv_b, m)) if bias else qkv.new_zeros(3 * h)
+            out[dst("attn_out")] = full[src("attn_out")].t()
+            out[dst("attn_out", "bias")] = full[src("attn_out", "bias")] if bias else qkv.new_zeros(h)
+            fc1 = full[src("fc1")]
+            out[dst("fc1")] = fc1.t()
+            out[dst("fc1", "bias")] = full[src("fc1", "bias")] if bias else fc1.new_zeros(fc1.shape[0])
+            out[dst("fc2")] = full[src("fc2")].t()
+            out[dst("fc2", "bias")] = full[src("fc2", "bias")] if bias else qkv.new_zeros(h)
+        out[g.final()] = full[OURS.final()]
+        out[g.final("bias")] = full[OURS.final("bias")]
         if not tied:
-            out["lm_head.weight"] = full["output_layer.linear.weight"]
+            out[g.head] = full[OURS.head]
         config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
                   "n_positions": m["max_position_embeddings"], "n_embd": h, "n_layer": nl,
                   "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"],
@@ -142,25 +150,21 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
                   "torch_dtype": "float32"}
         return {k: v.contiguous() for k, v in out.items()}, config
     bias = m["add_bias_linear"]
-    out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"]
+    out[HF_LLAMA.embedding] = full[OURS.embedding]
     f = m["ffn_hidden_size"]
     for i in range(nl):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        src, dst = OURS.in_layer(i), HF_LLAMA.in_layer(i)
         out.update(llama_attention_to_hf(full, i, m))
         if bias:
-            for name, t in zip(("q_proj", "k_proj", "v_proj"),
-                               _split_qkv(full[f"{src}self_attention.query_key_value.bias"], m), strict=True):
-                out[f"{dst}self_attn.{name}.bias"] = t
-            out[f"{dst}self_attn.o_proj.bias"] = full[f"{src}self_attention.dense.bias"]
-            out[f"{dst}mlp.gate_proj.bias"], out[f"{dst}mlp.up_proj.bias"] = \
-                full[f"{src}mlp.dense_h_to_4h.bias"].split(f)
-            out[f"{dst}mlp.down_proj.bias"] = full[f"{src}mlp.dense_4h_to_h.bias"]
-        gate, up = full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
-        out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = gate, up
-        out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
-    out["model.norm.weight"] = full["final_layernorm.weight"]
+            for role, t in zip(("q", "k", "v"), _split_qkv(full[src("qkv", "bias")], m), strict=True):
+                out[dst(role, "bias")] = t
+            out[dst("attn_out", "bias")] = full[src("attn_out", "bias")]
+            out[dst("gate", "bias")], out[dst("up", "bias")] = full[src("fc1", "bias")].split(f)
+            out[dst("fc2", "bias")] = full[src("fc2", "bias")]
+        out.update(swiglu_mlp_to_hf(full, i, m))
+    out[HF_LLAMA.final()] = full[OURS.final()]
     if not tied:
-        out["lm_head.weight"] = full["output_layer.linear.weight"]
+        out[HF_LLAMA.head] = full[OURS.head]
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab_size"],
               "hidden_size": h, "intermediate_size": f, "num_hidden_layers": nl,
               "num_attention_heads": m["num_attention_heads"], "num_key_value_heads": m["num_key_value_heads"],
@@ -171,20 +175,11 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
     return {k: v.contiguous() for k, v in out.items()}, config
 
 
-_NEOX_LAYER = (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
-               ("self_attention.query_key_value", "attention.query_key_value"),
-               ("self_attention.dense", "attention.dense"), ("mlp.dense_h_to_4h", "mlp.dense_h_to_4h"),
-               ("mlp.dense_4h_to_h", "mlp.dense_4h_to_h"))
-
-
 def _neox_names(nl: int) -> list[tuple[str, str]]:
     """(ours, HF GPT-NeoX) for every weight and bias but the output layer."""
-    pairs = [("embedding.word_embeddings.weight", "gpt_neox.embed_in.weight"),
-             ("final_layernorm.weight", "gpt_neox.final_layer_norm.weight"),
-             ("final_layernorm.bias", "gpt_neox.final_layer_norm.bias")]
+    pairs = [(OURS.embedding, HF_NEOX.embedding)] + [(OURS.final(k), HF_NEOX.final(k)) for k in ("weight", "bias")]
     for i in range(nl):
-        for ours, theirs in _NEOX_LAYER:
-            pairs += [(f"layers.{i}.{ours}.{t}", f"gpt_neox.layers.{i}.{theirs}.{t}") for t in ("weight", "bias")]
+        pairs += [(OURS.at(i, role, k), HF_NEOX.at(i, role, k)) for role in HF_NEOX.roles for k in ("weight", "bias")]
     return pairs
 
 
@@ -192,7 +187,7 @@ def _neox_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch
     tied = not m["untie_embeddings_and_output_weights"]
     out = {theirs: full[ours] for ours, theirs in _neox_names(m["num_layers"])}  # QKV: the same layout (g = 1)
     if not tied:
-        out["lm_head.weight"] = full["output_layer.linear.weight"]
+        out[HF_NEOX.head] = full[OURS.head]
     pct, base = float(m.get("rotary_percent", 1.0)), m["rotary_base"]
     config = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m["vocab_size"],
               "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
@@ -235,7 +230,7 @@ def _neox_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, 
          "init_method_std": config.get("initializer_range", 0.02)}
     full = {ours: hf[theirs] for ours, theirs in _neox_names(nl)}
     if not tied:
-        full["output_layer.linear.weight"] = hf["lm_head.weight" if "lm_head.weight" in hf else "embed_out.weight"]
+        full[OURS.head] = hf[next((h for h in HF_NEOX_HEADS if h in hf), HF_NEOX_HEADS[-1])]
     return {k: v.contiguous() for k, v in full.items()}, m
 
 
@@ -262,25 +257,20 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
              "attention_dropout": config.get("attn_pdrop", 0.1),
              "init_method_std": config.get("initializer_range", 0.02),
              "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True)}
-        full = {"embedding.word_embeddings.weight": hf["transformer.wte.weight"],
-                "embedding.position_embeddings": hf["transformer.wpe.weight"],
-                "final_layernorm.weight": hf["transformer.ln_f.weight"],
-                "final_layernorm.bias": hf["transformer.ln_f.bias"]}
+        g = HF_GPT2
+        full = {OURS.embedding: hf[g.embedding], OURS.position: hf[g.position],
+                OURS.final(): hf[g.final()], OURS.final("bias"): hf[g.final("bias")]}
         for i in range(nl):
-            src, dst = f"transformer.h.{i}.", f"layers.{i}."
-            for ours, theirs in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
-                full[f"{dst}{ours}.weight"] = hf[f"{src}{theirs}.weight"]
-                full[f"{dst}{ours}.bias"] = hf[f"{src}{theirs}.bias"]
-            full[f"{dst}self_attention.query_key_value.weight"] = _join_qkv(
-                *hf[f"{src}attn.c_attn.weight"].t().split(h), m)
-            full[f"{dst}self_attention.query_key_value.bias"] = _join_qkv(*hf[f"{src}attn.c_attn.bias"].split(h), m)
-            full[f"{dst}self_attention.dense.weight"] = hf[f"{src}attn.c_proj.weight"].t()
-            full[f"{dst}self_attention.dense.bias"] = hf[f"{src}attn.c_proj.bias"]
-            full[f"{dst}mlp.dense_h_to_4h.weight"] = hf[f"{src}mlp.c_fc.weight"].t()
-            full[f"{dst}mlp.dense_h_to_4h.bias"] = hf[f"{src}mlp.c_fc.bias"]
-            full[f"{dst}mlp.dense_4h_to_h.weight"] = hf[f"{src}mlp.c_proj.weight"].t()
-            full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.c_proj.bias"]
-        head = "lm_head.weight"
+            src, dst = g.in_layer(i), OURS.in_layer(i)
+            for role in ("input_norm", "post_norm"):
+                full[dst(role)] = hf[src(role)]
+                full[dst(role, "bias")] = hf[src(role, "bias")]
+            full[dst("qkv")] = _join_qkv(*hf[src("qkv")].t().split(h), m)  # Conv1D: [in, out]
+            full[dst("qkv", "bias")] = _join_qkv(*hf[src("qkv", "bias")].split(h), m)
+            for role in ("attn_out", "fc1", "fc2"):
+                full[dst(role)] = hf[src(role)].t()
+                full[dst(role, "bias")] = hf[src(role, "bias")]
+        head = g.head
     elif mt == "llama":
         h, nl = config["hidden_size"], config["num_hidden_layers"]
         bias = bool(config.get("attention_bias", False))
@@ -303,26 +293,23 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
         if factor is not None and float(factor) != 1.0:
             raise ConfigError(f"HF Llama partial_rotary_factor={factor}: LlamaForCausalLM (transformers 5.23) rotates "
                               "every channel regardless, so its meaning is unclear; convert from GPT-NeoX instead")
-        full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-                "final_layernorm.weight": hf["model.norm.weight"]}
+        full = {OURS.embedding: hf[HF_LLAMA.embedding], OURS.final(): hf[HF_LLAMA.final()]}
         for i in range(nl):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            a = f"{src}self_attn."
+            src, dst = HF_LLAMA.in_layer(i), OURS.in_layer(i)
             full.update(llama_attention_from_hf(hf, i, m))
-            full.update(swiglu_mlp_from_hf(hf, f"{src}mlp.", f"{dst}mlp."))
+            full.update(swiglu_mlp_from_hf(hf, i))
             if bias:
-                full[f"{dst}self_attention.query_key_value.bias"] = _join_qkv(
-                    hf[f"{a}q_proj.bias"], hf[f"{a}k_proj.bias"], hf[f"{a}v_proj.bias"], m)
-                full[f"{dst}self_attention.dense.bias"] = hf[f"{a}o_proj.bias"]
-                full[f"{dst}mlp.dense_h_to_4h.bias"] = torch.cat([hf[f"{src}mlp.gate_proj.bias"],
-                                                                  hf[f"{src}mlp.up_proj.bias"]])
-                full[f"{dst}mlp.dense_4h_to_h.bias"] = hf[f"{src}mlp.down_proj.bias"]
-        head = "lm_head.weight"
+                full[dst("qkv", "bias")] = _join_qkv(hf[src("q", "bias")], hf[src("k", "bias")], hf[src("v", "bias")],
+                                                     m)
+                full[dst("attn_out", "bias")] = hf[src("attn_out", "bias")]
+                full[dst("fc1", "bias")] = torch.cat([hf[src("gate", "bias")], hf[src("up", "bias")]])
+                full[dst("fc2", "bias")] = hf[src("fc2", "bias")]
+        head = HF_LLAMA.head
     else:
         raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama', 'gpt_neox', 'mixtral' and 'qwen2_moe' convert "
                           "to this trainer's GPT")
     if m["untie_embeddings_and_output_weights"]:
-        full["output_layer.linear.weight"] = hf[head]
+        full[OURS.head] = hf[head]
     return {k: v.contiguous() for k, v in full.items()}, m
 
 
@@ -352,7 +339,7 @@ def matching_flags(m: dict) -> list[str]:
         if key in m:
             flags += [flag, m[key]]
     moe = m.get("moe") or {}
-    if any(n > 1 for n in moe.get("num_experts", [1])):  # an imported Mixtral / Qwen2-MoE (hf_moe.py)
+    if any(n > 1 for n in moe.get("num_experts", [1])):  # an imported Mixtral / Qwen2-MoE (moe.py)
         flags += ["--num-experts", *moe["num_experts"], "--expert-interval", moe["expert_interval"], "--topk",
                   moe["topk"]]
         flags += ["--disable-moe-token-dropping"] if not moe.get("moe_token_dropping", True) else []

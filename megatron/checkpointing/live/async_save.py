@@ -4,7 +4,7 @@ files are durable, which the ranks learn from the flags all-reduce the loop alre
 
 One save's life, in phases agreed by that all-reduce (``status`` goes in, ``on_agreed`` reads the MAX over ranks)::
 
-    save_checkpoint (collective)  DeepSpeed / hierarchical ZeRO hand each file's state to RecordingCheckpointEngine,
+    Checkpointer.save (collective) DeepSpeed / hierarchical ZeRO hand each file's state to RecordingCheckpointEngine,
                                   which copies it to host memory (HostCopier) and records (state, path); no file
                                   is written. Then the writer thread starts.
     WRITING                       every rank's thread writes its files, then its manifest entries (a small
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as tdist
 
-from megatron.checkpointing import atomic, integrity, space
-from megatron.checkpointing.commit import Failure, check_saved, commit, errno_of, rank0
-from megatron.checkpointing.host_copy import HostCopier, host_available_bytes, host_total_bytes
-from megatron.checkpointing.safe_io import SafeCheckpointEngine
+from megatron.checkpointing.live import atomic, integrity, space
+from megatron.checkpointing.live.commit import Failure, check_saved, commit, errno_of, rank0, say
+from megatron.checkpointing.live.host_copy import HostCopier, host_available_bytes, host_total_bytes
+from megatron.checkpointing.live.safe_io import SafeCheckpointEngine
 from megatron.config import RunConfig
 from megatron.core import comm
 
@@ -148,7 +148,7 @@ class AsyncSaver:
         if not self._sized:
             self._sized = True
             most = comm.reduce_host([pending.host_bytes], op=tdist.ReduceOp.MAX, dtype=torch.int64)[0]
-            _say(f"> --async-save: host copy of {pending.tag}: {space.fmt(int(most))} on the largest rank; "
+            say(f"> --async-save: host copy of {pending.tag}: {space.fmt(int(most))} on the largest rank; "
                  "the loop blocked only for the copy, a background thread writes it")
         self._pending, self._phase = pending, _WRITING
         self._cancel.clear()
@@ -181,7 +181,7 @@ class AsyncSaver:
             return
         self._pending, self._phase = None, _IDLE
         took = time.monotonic() - p.started
-        _say(f"> saved {p.tag} in the background: committed {took:.2f} s after the save "
+        say(f"> saved {p.tag} in the background: committed {took:.2f} s after the save "
              f"began ({space.fmt(p.written_bytes)} written by rank 0)")
         if self.on_committed is not None:
             self.on_committed(took, p.iteration)
@@ -200,7 +200,7 @@ class AsyncSaver:
         while self._pending is not None:
             self._join()
             self.on_agreed(comm.reduce_host(self.status(), op=tdist.ReduceOp.MAX))
-        _say(f"> waited {time.monotonic() - t0:.2f} s for the background save of {tag} {why}")
+        say(f"> waited {time.monotonic() - t0:.2f} s for the background save of {tag} {why}")
 
     def drain_estimate_s(self) -> float | None:
         """Seconds this rank's save in flight still needs at its write rate so far (0.0: none in flight; None: no file
@@ -284,8 +284,3 @@ def _background(target, pending: PendingSave) -> None:
     except (AttributeError, OSError):
         pass
     target(pending)
-
-
-def _say(msg: str) -> None:
-    if rank0():
-        print(msg, flush=True)

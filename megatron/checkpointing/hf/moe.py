@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpointing.hf import (LLAMA, llama_attention_from_hf, llama_attention_to_hf, swiglu_mlp_from_hf,
-                                       variant)
+from megatron.checkpointing.hf.dense import (
+    LLAMA,
+    llama_attention_from_hf,
+    llama_attention_to_hf,
+    swiglu_mlp_from_hf,
+    swiglu_mlp_to_hf,
+    variant,
+)
 from megatron.config.moe import MoEConfig
 from megatron.errors import ConfigError
+from megatron.model.param_names import HF, OURS
 
 MIXTRAL, QWEN2_MOE = "mixtral", "qwen2_moe"
 # The files' layout (what transformers' save_pretrained writes and the Hub holds; it fuses the experts on load):
-# a layer's MoE block, and each expert's (gate, up, down) projections, nn.Linear [out, in].
-_BLOCK = {MIXTRAL: "block_sparse_moe.", QWEN2_MOE: "mlp."}
-_EXPERT = {MIXTRAL: ("w1", "w3", "w2"), QWEN2_MOE: ("gate_proj", "up_proj", "down_proj")}
+# each expert's (gate, up, down) projections apart, nn.Linear [out, in] (megatron/model/param_names.py names them).
 
 
 def moe_config(m: dict) -> MoEConfig:
@@ -90,31 +95,27 @@ def moe_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.T
     nl, h, f = m["num_layers"], m["hidden_size"], m["ffn_hidden_size"]
     per_layer = moe.experts_per_layer(nl)
     tied = not m["untie_embeddings_and_output_weights"]
-    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"],
-           "model.norm.weight": full["final_layernorm.weight"]}
+    theirs = HF[kind]
+    out = {theirs.embedding: full[OURS.embedding], theirs.final(): full[OURS.final()]}
     for i, n in enumerate(per_layer):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out.update(llama_attention_to_hf(full, i, m))
+        src, dst = OURS.in_layer(i), theirs.in_layer(i)
+        out.update(llama_attention_to_hf(full, i, m, theirs))
         if n == 1:
-            out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = \
-                full[f"{src}mlp.dense_h_to_4h.weight"].split(f)  # our fc1 is [gate; up]
-            out[f"{dst}mlp.down_proj.weight"] = full[f"{src}mlp.dense_4h_to_h.weight"]
+            out.update(swiglu_mlp_to_hf(full, i, m, theirs))
             continue
-        block = dst + _BLOCK[kind]
-        out[f"{block}gate.weight"] = full[f"{src}mlp.deepspeed_moe.gate.wg.weight"]
+        out[dst("router")] = full[src("router")]
         for e in range(n):
-            ours = f"{src}mlp.deepspeed_moe.experts.deepspeed_experts.{e}."
-            for name, t in zip(_EXPERT[kind], (*full[f"{ours}dense_h_to_4h.weight"].split(f),
-                                               full[f"{ours}dense_4h_to_h.weight"]), strict=True):
-                out[f"{block}experts.{e}.{name}.weight"] = t
+            gate, up = full[OURS.expert_at(i, e, "fc1")].split(f)  # our fc1 is [gate; up]
+            for part, t in zip(("gate", "up", "fc2"), (gate, up, full[OURS.expert_at(i, e, "fc2")]), strict=True):
+                out[theirs.expert_at(i, e, part)] = t
         if kind == QWEN2_MOE:  # the shared expert, width 0: it adds exactly 0
-            like = out[f"{block}gate.weight"]
-            out[f"{dst}mlp.shared_expert.gate_proj.weight"] = like.new_zeros(0, h)
-            out[f"{dst}mlp.shared_expert.up_proj.weight"] = like.new_zeros(0, h)
-            out[f"{dst}mlp.shared_expert.down_proj.weight"] = like.new_zeros(h, 0)
-            out[f"{dst}mlp.shared_expert_gate.weight"] = like.new_zeros(1, h)
+            like = out[dst("router")]
+            out[dst("shared_gate")] = like.new_zeros(0, h)
+            out[dst("shared_up")] = like.new_zeros(0, h)
+            out[dst("shared_down")] = like.new_zeros(h, 0)
+            out[dst("shared_expert_gate")] = like.new_zeros(1, h)
     if not tied:
-        out["lm_head.weight"] = full["output_layer.linear.weight"]
+        out[theirs.head] = full[OURS.head]
     num_experts, base = max(per_layer), m["rotary_base"]
     config = {"vocab_size": m["vocab_size"], "hidden_size": h, "intermediate_size": f, "num_hidden_layers": nl,
               "num_attention_heads": m["num_attention_heads"], "num_key_value_heads": m["num_key_value_heads"],
@@ -188,21 +189,19 @@ def moe_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, to
          # HF's function: every token through its top-k experts (no capacity), top-2's second largest gate.
          "moe": {"num_experts": counts if len(set(counts)) > 1 else counts[:1], "expert_interval": interval,
                  "topk": k, "moe_token_dropping": False, "moe_top2_2nd_expert_sampling": False}}
-    full = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-            "final_layernorm.weight": hf["model.norm.weight"]}
+    theirs = HF[kind]
+    full = {OURS.embedding: hf[theirs.embedding], OURS.final(): hf[theirs.final()]}
     for i, n in enumerate(per_layer):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        full.update(llama_attention_from_hf(hf, i, m))
+        src, dst = theirs.in_layer(i), OURS.in_layer(i)
+        full.update(llama_attention_from_hf(hf, i, m, theirs))
         if n == 1:
-            full.update(swiglu_mlp_from_hf(hf, f"{src}mlp.", f"{dst}mlp."))
+            full.update(swiglu_mlp_from_hf(hf, i, theirs))
             continue
-        block = src + _BLOCK[kind]
-        full[f"{dst}mlp.deepspeed_moe.gate.wg.weight"] = hf[f"{block}gate.weight"]
-        gate, up, down = _EXPERT[kind]
+        full[dst("router")] = hf[src("router")]
         for e in range(n):
-            ours, theirs = f"{dst}mlp.deepspeed_moe.experts.deepspeed_experts.{e}.", f"{block}experts.{e}."
-            full[f"{ours}dense_h_to_4h.weight"] = torch.cat([hf[f"{theirs}{gate}.weight"], hf[f"{theirs}{up}.weight"]])
-            full[f"{ours}dense_4h_to_h.weight"] = hf[f"{theirs}{down}.weight"]
+            full[OURS.expert_at(i, e, "fc1")] = torch.cat([hf[theirs.expert_at(i, e, "gate")],
+                                                           hf[theirs.expert_at(i, e, "up")]])
+            full[OURS.expert_at(i, e, "fc2")] = hf[theirs.expert_at(i, e, "fc2")]
     if not tied:
-        full["output_layer.linear.weight"] = hf["lm_head.weight"]
+        full[OURS.head] = hf[theirs.head]
     return {k: v.contiguous() for k, v in full.items()}, m

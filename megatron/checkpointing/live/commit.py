@@ -13,8 +13,8 @@ import shutil
 import torch
 import torch.distributed as tdist
 
-from megatron.checkpointing import atomic, integrity, space
-from megatron.checkpointing.locate import LATEST, META, TRACKER, read_latest
+from megatron.checkpointing.live import atomic, integrity, space
+from megatron.checkpointing.live.markers import LATEST, META, TRACKER, read_latest
 from megatron.config import CheckpointSettings, RunConfig
 from megatron.core import comm
 from megatron.errors import CheckpointError
@@ -26,6 +26,12 @@ Failure = tuple[str, OSError]
 
 def rank0() -> bool:
     return tdist.get_rank() == 0
+
+
+def say(msg: str) -> None:
+    """A log line from rank 0 only."""
+    if rank0():
+        print(msg, flush=True)
 
 
 def commit(save_dir: str, tmp_tag: str, tag: str, iteration: int, meta: dict, files: dict[str, dict],
@@ -103,6 +109,17 @@ def leftovers(save_dir: str | None) -> list[str]:
     if not save_dir or not os.path.isdir(save_dir):
         return []
     return sorted(n for n in os.listdir(save_dir) if ".tmp-" in n and os.path.isdir(os.path.join(save_dir, n)))
+
+
+def name_leftovers(settings: CheckpointSettings) -> None:
+    """One line naming the temporary directories of saves that never committed (a killed run, a lost node); they are
+    never loaded, ``latest`` is left alone, and the next save's retention removes them."""
+    for where in dict.fromkeys(d for d in (settings.load, settings.save) if d):
+        names = leftovers(where)
+        if names:
+            latest = latest_or_none(where)
+            say(f"> {where}: {len(names)} unfinished save(s) of an interrupted run: {', '.join(names)}; not loaded, "
+                f"{f'latest still names {latest}' if latest else 'no latest'}; the next save removes them")
 
 
 def errno_of(failure: Failure | None) -> int:

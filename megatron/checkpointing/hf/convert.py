@@ -9,19 +9,18 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing import integrity
-from megatron.checkpointing.full_state import (
+from megatron.checkpointing.full_state.files import (
     is_full_state,
-    merge_checkpoint,
     read_full_moments,
     read_full_state,
     save_full_state,
 )
-from megatron.checkpointing.hf import from_hf, special_token_ids, to_hf
-from megatron.checkpointing.hf_moe import MIXTRAL, QWEN2_MOE, has_experts, moe_from_hf, moe_to_hf
-from megatron.checkpointing.locate import read_latest, read_meta
-from megatron.checkpointing.moments import merge_moments
-from megatron.checkpointing.verify import require_whole
+from megatron.checkpointing.full_state.merge import merge_checkpoint, merge_moments
+from megatron.checkpointing.hf.dense import from_hf, special_token_ids, to_hf
+from megatron.checkpointing.hf.moe import MIXTRAL, QWEN2_MOE, has_experts, moe_from_hf, moe_to_hf
+from megatron.checkpointing.live import integrity
+from megatron.checkpointing.live.markers import META, read_latest, read_meta
+from megatron.checkpointing.live.verify import require_whole
 from megatron.errors import CheckpointError
 
 
@@ -35,10 +34,10 @@ def read_any(path: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor]
         if meta.get("lr_scheduler"):
             progress["lr_scheduler"] = meta["lr_scheduler"]
         return full, meta["model"], progress
-    if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
+    if tag is None and not os.path.isfile(os.path.join(path, META)):
         tag = read_latest(path)
         if tag is None:
-            raise CheckpointError(f"{path}: no 'latest' file and no megatron_meta.json: not a checkpoint directory")
+            raise CheckpointError(f"{path}: no 'latest' file and no {META}: not a checkpoint directory")
     ckpt_dir = os.path.join(path, tag) if tag else path
     meta = read_meta(ckpt_dir)
     require_whole(ckpt_dir)
@@ -65,7 +64,7 @@ def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, s
     if is_full_state(path):
         got = read_full_moments(path)
         return (got[0], got[1], "") if got else (None, 0, "the full state carries no optimizer moments")
-    if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
+    if tag is None and not os.path.isfile(os.path.join(path, META)):
         tag = read_latest(path)
     ckpt_dir = os.path.join(path, tag) if tag else path
     return merge_moments(ckpt_dir, read_meta(ckpt_dir))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from megatron.checkpointing.full_state import FULL_STATE_META, is_full_state
-from megatron.checkpointing.locate import read_latest, read_meta
+from megatron.checkpointing.full_state.files import FULL_STATE_META, is_full_state
+from megatron.checkpointing.live.markers import META, read_latest, read_meta
 from megatron.errors import MegatronError
 from megatron.tokenizer import build_tokenizer
 
@@ -43,7 +43,7 @@ def special_ids_of_checkpoint(path: str, tag: str | None, override: dict | None 
         with open(os.path.join(path, FULL_STATE_META)) as f:
             meta = json.load(f)
         return dict(meta.get("special_tokens") or tokenizer_special_ids(meta.get("args") or {}))
-    if tag is None and not os.path.isfile(os.path.join(path, "megatron_meta.json")):
+    if tag is None and not os.path.isfile(os.path.join(path, META)):
         tag = read_latest(path)
     meta = read_meta(os.path.join(path, tag) if tag else path)
     return tokenizer_special_ids({k: meta.get("args", {}).get(k) for k in TOKENIZER_FLAGS})

@@ -12,17 +12,20 @@
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Callable
 
 import torch
+import torch.distributed as tdist
 
-from megatron.checkpointing import integrity
-from megatron.checkpointing.hierarchical_zero import FORMAT as HZERO
-from megatron.checkpointing.hierarchical_zero import shard_file
+from megatron.checkpointing.live import integrity
+from megatron.checkpointing.live.safe_io import safe_load
 from megatron.core import comm
 from megatron.errors import CheckpointError
 
 MODES = ("full", "size", "off")
+Layout = Callable[[set[str]], list[str]]
+"""The files a checkpoint without a manifest must hold, given the names its directory holds (a format's layout:
+ds_layout/files.py, hzero/shards.py; locate.expected_files picks it from the metadata)."""
 _KINDS = ("", "is missing", "has the wrong size (truncated or overwritten)", "fails its checksum (damaged bytes)",
           "is unreadable")
 
@@ -45,35 +48,10 @@ def damaged_message(ckpt_dir: str, bad: list[tuple[str, str]]) -> str:
             f"{_fix(os.path.dirname(ckpt_dir.rstrip(os.sep)))}")
 
 
-# ---------------------------------------------------------------------------------- layout without a manifest
-def expected_files(meta: dict, present: set[str]) -> list[str]:
-    """Files a checkpoint without a manifest must hold, from the layout in its megatron_meta.json (DeepSpeed's
-    names: model files per model-parallel rank, ZeRO files per DP x MP rank, pipeline layer files per TP rank;
-    hierarchical ZeRO: one file per rank). ``present`` (the directory's names) settles what the layout leaves
-    open: the bf16_ prefix DeepSpeed's bf16 optimizer adds, and how many pipeline layer files there are."""
-
-    p = (meta.get("run") or {}).get("parallel") or {}
-    tp, pp = int(p.get("tensor_model_parallel_size", 1)), int(p.get("pipeline_model_parallel_size", 1))
-    world, zero = int(p.get("world_size", tp * pp)), int(p.get("zero_stage", 0))
-    dp, mp = max(1, world // (tp * pp)), tp * pp
-    if meta.get("format") == HZERO:
-        return [os.path.basename(shard_file("", r)) for r in range(world)]
-    names = []
-    if zero == 3:
-        names += [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(dp) for m in range(mp)]
-    else:
-        names += [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
-    if zero >= 1 and meta.get("has_optimizer", True):
-        prefix = "bf16_" if any(n.startswith("bf16_zero_pp_rank_") for n in present) else ""
-        names += [f"{prefix}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(dp) for m in range(mp)]
-    layers = [int(m.group(1)) for n in present if (m := re.match(r"layer_(\d+)-model_\d+-model_states\.pt$", n))]
-    if layers:  # pipeline engine: every layer index up to the last one seen, each for every TP rank
-        names += [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(max(layers) + 1) for t in range(tp)]
-    return names
-
-
-def missing_or_short(ckpt_dir: str, meta: dict, files: dict[str, dict] | None) -> list[tuple[str, str]]:
-    """(name, problem) of files that are missing or have the wrong size (stat only, no read)."""
+# ---------------------------------------------------------------------------------- without a process group
+def missing_or_short(ckpt_dir: str, layout: Layout | None, files: dict[str, dict] | None) -> list[tuple[str, str]]:
+    """(name, problem) of files that are missing or have the wrong size (stat only, no read): those the manifest
+    ``files`` lists, or without one those ``layout`` implies."""
     try:
         present = {e.name: e for e in os.scandir(ckpt_dir)}
     except OSError as e:
@@ -91,7 +69,7 @@ def missing_or_short(ckpt_dir: str, meta: dict, files: dict[str, dict] | None) -
                 bad.append((name, f"has {size} bytes, the manifest says {files[name]['size']}"
                                   f"{' (truncated)' if size < files[name]['size'] else ''}"))
         return bad
-    for name in expected_files(meta, set(present)):
+    for name in layout(set(present)):
         if name not in present:
             bad.append((name, _KINDS[1]))
         elif present[name].stat().st_size == 0:
@@ -99,13 +77,13 @@ def missing_or_short(ckpt_dir: str, meta: dict, files: dict[str, dict] | None) -
     return bad
 
 
-def check_complete(ckpt_dir: str, meta: dict | None) -> None:
-    """Preflight: a missing or short file is one line naming it (exit 2), before any process group. ``meta``:
-    the DeepSpeed layout's megatron_meta.json (None for a full-state directory: only its manifest can tell)."""
+def check_complete(ckpt_dir: str, layout: Layout | None) -> None:
+    """Preflight: a missing or short file is one line naming it (exit 2), before any process group. ``layout``:
+    the files a checkpoint of ours implies (None for a full-state directory: only its manifest can tell)."""
     files = integrity.read_manifest(ckpt_dir)
-    if files is None and meta is None:
+    if files is None and layout is None:
         return
-    bad = missing_or_short(ckpt_dir, meta or {}, files)
+    bad = missing_or_short(ckpt_dir, layout, files)
     if bad:
         raise CheckpointError(damaged_message(ckpt_dir, bad))
 
@@ -114,9 +92,6 @@ def check_complete(ckpt_dir: str, meta: dict | None) -> None:
 def verify_collective(ckpt_dir: str, mode: str, say) -> None:
     """Collective: verify ``ckpt_dir`` against its manifest, the work shared over all ranks; every rank raises
     the same CheckpointError when a file is damaged. ``say``: rank 0's logger."""
-    import torch.distributed as tdist
-
-
     if mode == "off":
         say(f"> --verify-checkpoint off: the files of {ckpt_dir} are not checked against their manifest")
         return
@@ -140,12 +115,34 @@ def verify_collective(ckpt_dir: str, mode: str, say) -> None:
         f"{'sizes and ' + integrity.ALGORITHM if mode == 'full' else 'sizes'})")
 
 
+def validate_files(ckpt_dir: str) -> None:
+    """Collective: the ranks share the checkpoint's files round-robin and open each one with the safe
+    loader (mmap: headers and pickles only), so a missing, truncated or corrupt file becomes the same
+    one-line error on every rank, before DeepSpeed starts collectives that would hang on it."""
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".pt"))
+    err = None
+    if not files:
+        err = f"checkpoint directory {ckpt_dir} holds no .pt files"
+    for name in files[rank::world]:
+        if err:
+            break
+        try:
+            safe_load(os.path.join(ckpt_dir, name), mmap=True)
+        except CheckpointError as e:
+            err = str(e)
+    errors = comm.all_gather_object(err)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
 # ---------------------------------------------------------------------------------- offline
-def offline_problems(ckpt_dir: str, meta: dict | None, mode: str = "full") -> tuple[list[tuple[str, str]], bool]:
+def offline_problems(ckpt_dir: str, layout: Layout | None, mode: str = "full") -> tuple[list[tuple[str, str]], bool]:
     """(every problem, whether a manifest was found) of one checkpoint directory, one process."""
     files = integrity.read_manifest(ckpt_dir)
     if files is None:
-        return (missing_or_short(ckpt_dir, meta or {}, None) if meta is not None else []), False
+        return (missing_or_short(ckpt_dir, layout, None) if layout is not None else []), False
     bad = integrity.problems(ckpt_dir, files, sorted(files), mode)
     return sorted(bad.items()), True
 

@@ -1,7 +1,8 @@
 """Checkpoints of the hierarchical ZeRO engine: every rank writes and reads only its own shard file.
 
-megatron/checkpointing/checkpoint.py owns the protocol (temporary tag, fsync, rename, ``latest`` last, retention,
-``megatron_meta.json``); this module fills the temporary directory and reads it back. Per rank, one file::
+megatron/checkpointing/live/directory.py owns the protocol (temporary tag, fsync, rename, ``latest`` last,
+retention, ``megatron_meta.json``); this module fills the temporary directory and reads it back (format.py wires it
+in). Per rank, one file::
 
     DIR/global_stepN/hzero_rank_00003.pt   fp32 master shard, AdamW state (exp_avg, exp_avg_sq, step), the 16-bit
                                            secondary shards, the int8 error-feedback residual, LR position, RNG
@@ -12,9 +13,10 @@ saved rather than re-gathered at load, so a resumed run starts from exactly the 
 (bit-exact resume, also in bf16).
 
 The metadata (``hierarchy`` in megatron_meta.json) records the layout the shards belong to: DP size, tiers with
-their sizes, weights tier, int8 block, padded bucket layout with parameter names. ``check_saved_layout`` compares
-it with a run's flags before any process group exists; ``merged_tp_states`` rebuilds unsharded weights and Adam
-moments from the files without a process group (tools/reshard_checkpoint.py, tools/convert_checkpoint_to_hf.py).
+their sizes, weights tier, int8 block, padded bucket layout with parameter names. resume_checks.py's
+``check_saved_layout`` compares it with a run's flags before any process group exists; ``merged_tp_states``
+rebuilds unsharded weights and Adam moments from the files without a process group (tools/reshard_checkpoint.py,
+tools/convert_checkpoint_to_hf.py).
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ import os
 import torch
 
 from megatron import ds_seams
-from megatron.checkpointing import safe_io
-from megatron.core.hierarchical_zero.config import parse_levels
+from megatron.checkpointing.live import safe_io
+from megatron.checkpointing.resume_checks import HZERO_RESHARD
 from megatron.core.hierarchical_zero.engine import HierarchicalZeroEngine
 from megatron.errors import CheckpointError, ConfigError
-
-FORMAT = "megatron-frontier/hierarchical-zero-v1"
 
 
 def shard_file(ckpt_dir: str, rank: int) -> str:
     return os.path.join(ckpt_dir, f"hzero_rank_{rank:05d}.pt")
+
+
+def expected_files(meta: dict) -> list[str]:
+    """The files of a checkpoint of these shards: one per rank (live/verify.py's layout without a manifest)."""
+    p = (meta.get("run") or {}).get("parallel") or {}
+    tp, pp = int(p.get("tensor_model_parallel_size", 1)), int(p.get("pipeline_model_parallel_size", 1))
+    return [os.path.basename(shard_file("", r)) for r in range(int(p.get("world_size", tp * pp)))]
 
 
 def is_engine(engine) -> bool:
@@ -101,16 +108,12 @@ def check_engine_layout(engine, meta: dict, ranks_per_node: int | None, where: s
                       ("buckets", "bucket layout")):
         if saved[key] != now[key]:
             raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {what} {_short(saved[key])}, "
-                              f"this run has {_short(now[key])}. {_RESHARD.format(where=where)}")
+                              f"this run has {_short(now[key])}. {HZERO_RESHARD.format(where=where)}")
 
 
 def _short(x) -> str:
     text = str(x)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-_RESHARD = ("Launch the same layout, or convert: python tools/reshard_checkpoint.py --load {where} --save FULL, "
-            "then --load FULL (weights and Adam moments carry over)")
 
 
 def load_shard(engine, ckpt_dir: str, rank: int, load_optimizer: bool, load_scheduler: bool) -> dict:
@@ -138,35 +141,6 @@ def load_shard(engine, ckpt_dir: str, rank: int, load_optimizer: bool, load_sche
         s = state["steps"]
         engine.micro_steps, engine.global_steps, engine.skipped_steps = s["micro"], s["global"], s["skipped"]
     return state
-
-
-def check_saved_layout(saved: dict, run, where: str) -> None:
-    """Before any process group: a hierarchical checkpoint loads only into the same hierarchical layout, and a
-    DeepSpeed checkpoint only into DeepSpeed (their shards mean different things). One line naming the fix."""
-    p = run.parallel
-    ours = saved.get("format") == FORMAT
-    if not ours and not p.zero_hierarchy:
-        return
-    if ours != bool(p.zero_hierarchy):
-        was = "hierarchical ZeRO (--zero-hierarchy)" if ours else "DeepSpeed"
-        now = "hierarchical ZeRO (--zero-hierarchy)" if p.zero_hierarchy else "DeepSpeed"
-        raise ConfigError(f"--load {where}: saved by the {was} engine, this run uses the {now} engine. "
-                          f"{_RESHARD.format(where=where)}")
-    h = saved["hierarchy"]
-    levels = list(parse_levels(p.zero_hierarchy))
-    diffs = []
-    if h["dp_size"] != p.dp:
-        diffs.append(f"data-parallel size {h['dp_size']} (now {p.dp})")
-    if h["levels"] != levels:
-        diffs.append(f"--zero-hierarchy {','.join(h['levels'])} (now {','.join(levels)})")
-    if p.zero_hierarchy_weights and h["weights"] != p.zero_hierarchy_weights:
-        diffs.append(f"--zero-hierarchy-weights {h['weights']} (now {p.zero_hierarchy_weights})")
-    if h["int8"] != p.zero_hierarchy_int8:
-        diffs.append(f"--zero-hierarchy-int8 {'on' if h['int8'] else 'off'} (now "
-                     f"{'on' if p.zero_hierarchy_int8 else 'off'})")
-    if diffs:
-        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}. "
-                          f"{_RESHARD.format(where=where)}")
 
 
 # ---------------------------------------------------------------------------------------------- offline merge
