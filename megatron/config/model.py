@@ -18,7 +18,7 @@ _BOUNDED = {f: "--" + f.replace("_", "-") for f in (
 _BOUNDED["checkpoint_chunk_layers"] = "--checkpoint-num-layers=checkpoint_num_layers"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and variant of a GPT. Field names follow Megatron's flags (dashes -> underscores)."""
 
@@ -86,15 +86,15 @@ class ModelConfig:
     """Mixture of experts (megatron/config/moe.py); the default is the dense model."""
 
     def __post_init__(self) -> None:
+        """The defaults that follow from other fields, filled once (the config is frozen after)."""
         if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.ffn_hidden_size is None:
-            if self.swiglu:
-                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
+            ffn = (int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size) if self.swiglu \
+                else 4 * self.hidden_size
+            object.__setattr__(self, "ffn_hidden_size", ffn)
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
 
     @property
     def head_dim(self) -> int:

@@ -5,6 +5,8 @@ train iterations, the ramp, and the schedule's lengths."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.errors import ConfigError
 from megatron.optim.lr_schedule import check_shape, schedule_shape
 from megatron.optim.microbatches import RAMP_FLAG, MicroBatchPlan
@@ -16,7 +18,9 @@ def micro_batch_plan(run) -> MicroBatchPlan:
                           tuple(t.rampup_batch_size) if t.rampup_batch_size is not None else None)
 
 
-def validate_schedule(run) -> None:
+def validate_schedule(run) -> int | None:
+    """Raises ConfigError for a schedule upstream refuses; returns the train iterations --train-samples gives (None
+    for iteration-based training), which RunConfig records."""
     o, t = run.optimizer, run.training
     if t.train_samples is None:  # iteration-based
         if t.train_iters is None:
@@ -44,9 +48,12 @@ def validate_schedule(run) -> None:
     if t.rampup_batch_size is not None and run.parallel.zero_hierarchy:
         raise ConfigError(f"{RAMP_FLAG} with --zero-hierarchy: hierarchical ZeRO runs a fixed number of "
                           "micro-batches per step; use --zero-stage 1..3 without --zero-hierarchy for a ramp")
+    train_iters = None
     if t.train_samples is not None:
-        t.train_iters = plan.train_iters(t.train_samples)
-        if t.train_iters <= 0:
+        train_iters = plan.train_iters(t.train_samples)
+        if train_iters <= 0:
             raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
                               f"({plan.global_batch(0)} samples): nothing would be trained")
+        t = dataclasses.replace(t, train_iters=train_iters)
     check_shape(schedule_shape(o, t), t, plan.positions())
+    return train_iters

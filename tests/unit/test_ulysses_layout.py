@@ -36,7 +36,7 @@ def _run(world, sp, **model):
 
     return RunConfig(model=named_model("debug-llama", **model),
                      parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp),
-                     training=TrainingConfig()).validate()
+                     training=TrainingConfig())
 
 
 @pytest.mark.parametrize("world,sp,model,needle", [
@@ -59,7 +59,7 @@ def test_sp_with_pipeline_validates_and_sp_divides_the_pipeline_sends():
     from megatron.perf.layout import Layout
 
     run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
-        world_size=8, pipeline_model_parallel_size=2, ds_sequence_parallel_size=2)).validate()
+        world_size=8, pipeline_model_parallel_size=2, ds_sequence_parallel_size=2))
     assert (run.parallel.dp, run.parallel.sp) == (2, 2)
 
     def sends(u):
@@ -82,14 +82,12 @@ def test_dp_excludes_sp_and_the_flag_reaches_the_config():
 
 def test_hierarchical_zero_with_sp_is_refused_in_one_line():
     from megatron.config import ParallelConfig, RunConfig, TrainingConfig
-    from megatron.engine import build_ds_config
     from megatron.config.sizes import named_model
 
-    run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
-        world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
-        training=TrainingConfig()).validate()
     with pytest.raises(ConfigError, match="hierarchical ZeRO") as e:
-        build_ds_config(run)
+        RunConfig(model=named_model("debug"), parallel=ParallelConfig(
+            world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
+            training=TrainingConfig())
     assert "\n" not in str(e.value)
 
 
