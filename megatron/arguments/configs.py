@@ -119,14 +119,20 @@ def _by_name(cls, args: argparse.Namespace, **given):
 
 def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
     """The flags' settings, with what a --deepspeed_config decides merged in (megatron/arguments/deepspeed_json.py),
-    validated together as the RunConfig is built; raises ConfigError naming the flags and the fix."""
+    validated together as the RunConfig is built; raises ConfigError naming the flags and the fix. The learning rate,
+    the length of training and the data must be given."""
     if args.lr is None:
         raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
     if args.train_iters is None and args.train_samples is None:
         raise ConfigError("--train-iters not given: set how many iterations (or --train-samples) to train")
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples are both given: pick one")
-    data = data_config_from_args(args)
+    return build_run_config(args, world_size, vocab_size, data_config_from_args(args))
+
+
+def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int, data: DataConfig) -> RunConfig:
+    """The RunConfig of the flags with ``data`` as its data settings (what run_config_from_args checks first, a dry
+    run does not need)."""
     model = model_config_from_args(args, vocab_size)
     parallel = _by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0)
     fields = with_deepspeed_json(dict(

@@ -240,8 +240,13 @@ class ModelConfig:
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ConfigError(f"--rotary-percent {self.rotary_percent:g} of head dim {self.head_dim} rotates "
                               f"{self.rotary_dim} channels: it must be an even number > 0; pick a percent giving one")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
+        check_recompute_granularity(self.recompute_granularity)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_recompute_granularity(granularity: str | None) -> None:
+    """The model's recompute, and the planner's (megatron/perf/layout.py)."""
+    if granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {granularity!r}: choose 'full' or 'selective'")

@@ -85,6 +85,13 @@ class ParallelConfig:
                               "pipeline engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel "
                               "with --pipeline-model-parallel-size 1")
 
+    def validate_expert_parallel(self) -> None:
+        """With experts (RunConfig checks a model's; the planner's layouts set EP only for one)."""
+        if self.dp % self.ep:
+            raise ConfigError(f"--moe-expert-parallel-size {self.ep} does not divide the data-parallel size {self.dp} "
+                              f"(world {self.world_size} / TP {self.tp} / PP {self.pp}): the expert-parallel ranks "
+                              f"are data-parallel ranks; use a divisor of {self.dp}")
+
     def _validate_zero_hierarchy(self) -> None:
         """What hierarchical ZeRO-3 (megatron/core/hierarchical_zero) cannot run with."""
         if self.sp > 1:

@@ -76,15 +76,11 @@ class RunConfig:
         moe.validate(self.model.num_layers, self.training.micro_batch_size * self.model.seq_length)
         if not moe.enabled:
             return
-        flag = f"--moe-expert-parallel-size {p.ep}"
-        if p.dp % p.ep:
-            raise ConfigError(f"{flag} does not divide the data-parallel size {p.dp} (world {p.world_size} / TP "
-                              f"{p.tp} / PP {p.pp}): the expert-parallel ranks are data-parallel ranks; use a divisor "
-                              f"of {p.dp}")
+        p.validate_expert_parallel()
         uneven = sorted({n for n in moe.num_experts if n > 1 and n % p.ep})
         if uneven:
-            raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
-                              "the same number of experts; use a multiple of it")
+            raise ConfigError(f"--num-experts {uneven[0]} is not divisible by --moe-expert-parallel-size {p.ep}: every "
+                              "expert-parallel rank holds the same number of experts; use a multiple of it")
         self._validate_moe_stages()
         moe_with = "mixture of experts (--num-experts) with"
         if p.sp > 1:
