@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
+from megatron.topology import check_expert_parallel, check_world_divides
 
 
 @dataclass(frozen=True)
@@ -67,17 +68,7 @@ class ParallelConfig:
         if self.pp > 1 and self.no_pipeline_parallel:
             raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {self.pp}: the plain "
                               "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
-        if self.sp > 1 and self.world_size % (self.tp * self.pp * self.sp):
-            raise ConfigError(
-                f"world size {self.world_size} is not divisible by TP {self.tp} x PP {self.pp} x "
-                f"--ds-sequence-parallel-size {self.sp} = {self.tp * self.pp * self.sp}: launch a multiple of "
-                f"{self.tp * self.pp * self.sp} ranks or shrink the sizes")
-        if self.world_size % (self.tp * self.pp):
-            raise ConfigError(
-                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
-                f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
-                f"{self.tp * self.pp} ranks or shrink TP/PP"
-            )
+        check_world_divides(self.world_size, self.tp, self.pp, self.sp)
         if self.zero_hierarchy:  # --zero-hierarchy, or the DeepSpeed JSON's megatron_frontier section
             self._validate_zero_hierarchy()
         if self.pp > 1 and self.zero_stage >= 2:
@@ -87,10 +78,7 @@ class ParallelConfig:
 
     def validate_expert_parallel(self) -> None:
         """With experts (RunConfig checks a model's; the planner's layouts set EP only for one)."""
-        if self.dp % self.ep:
-            raise ConfigError(f"--moe-expert-parallel-size {self.ep} does not divide the data-parallel size {self.dp} "
-                              f"(world {self.world_size} / TP {self.tp} / PP {self.pp}): the expert-parallel ranks "
-                              f"are data-parallel ranks; use a divisor of {self.dp}")
+        check_expert_parallel(self.world_size, self.tp, self.pp, self.sp, self.ep)
 
     def _validate_zero_hierarchy(self) -> None:
         """What hierarchical ZeRO-3 (megatron/core/hierarchical_zero) cannot run with."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.errors import ConfigError
-from megatron.optim.lr_schedule import check_shape, schedule_shape
+from megatron.optim.lr_schedule import check_resume_flags, check_shape, schedule_shape
 from megatron.optim.microbatches import RAMP_FLAG, MicroBatchPlan
 
 
@@ -41,9 +41,7 @@ def validate_schedule(run) -> int | None:
                               "--lr-warmup-samples (or --lr-warmup-fraction) for sample-based training")
         if o.lr_warmup_fraction is not None and o.lr_warmup_samples != 0:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-samples are both set: pick one")
-    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both set: "
-                          "pick one (the flags' schedule or the checkpoint's)")
+    check_resume_flags(o.override_opt_param_scheduler, o.use_checkpoint_opt_param_scheduler)
     plan = micro_batch_plan(run)
     if t.rampup_batch_size is not None and run.parallel.zero_hierarchy:
         raise ConfigError(f"{RAMP_FLAG} with --zero-hierarchy: hierarchical ZeRO runs a fixed number of "
