@@ -1,9 +1,11 @@
 """The one seam to DeepSpeed: build and check the ds_config from the validated RunConfig, then call
 ``deepspeed.initialize``. Nothing else in the project imports ``deepspeed`` for training.
 
-The CLI is the single source of truth. A user's ``--deepspeed_config`` may add DeepSpeed knobs, but a
-batch size, clipping, precision or ZeRO stage that disagrees with the flags is refused with a message
-naming both values, never silently resolved. Every key of the JSON is honoured, an accepted no-op (said
+The validated RunConfig is the single source of truth. What a user's ``--deepspeed_config`` decides for the run
+as upstream (its ZeRO stage, clipping, precision, recompute, hierarchical ZeRO where no flag gives them) is in it
+already (megatron/arguments/deepspeed_json.py); the JSON may add DeepSpeed knobs, but a batch size, clipping,
+precision or ZeRO stage that disagrees with the flags is refused with a message naming both values, never silently
+resolved. Every key of the JSON is honoured, an accepted no-op (said
 once in the log) or refused before the process group: megatron/compat/ds_config_keys.py classes them.
 The fp16 loss-scale keys are the exception upstream made: the JSON wins over a contradicting flag, with a
 warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (one log line each).

@@ -53,13 +53,13 @@ class Layout(ParallelConfig):
     def from_run(cls, run: RunConfig, **fields) -> Layout:
         """``run``'s layout (a dense model's expert-parallel size counts as 1: it splits nothing), batch, recompute,
         attention kernel and precision; ``fields`` add the knobs a run does not hold (e.g. the hpZ size)."""
-        p, m = run.parallel, run.model
+        p, m, t = run.parallel, run.model, run.training
         parallel = {f.name: getattr(p, f.name) for f in dataclasses.fields(ParallelConfig)}
-        return cls(**parallel | {"moe_expert_parallel_size": p.ep if m.moe.enabled else 1},
-                   micro_batch_size=run.training.micro_batch_size, global_batch_size=run.training.global_batch_size,
-                   recompute_granularity=m.recompute_granularity, flash_attention=m.attention_backend in ("triton",
-                                                                                                        "hip"),
-                   dtype=run.precision.name, **fields)
+        parallel["moe_expert_parallel_size"] = p.ep if m.moe.enabled else 1
+        flash = m.attention_backend in ("triton", "hip")
+        return cls(**parallel, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                   recompute_granularity=m.recompute_granularity, flash_attention=flash, dtype=run.precision.name,
+                   **fields)
 
     @property
     def shard_dp(self) -> int:
