@@ -50,12 +50,13 @@ def predicted() -> dict[str, tuple[float, float, float]]:
     from megatron.perf.layout import Layout
     from megatron.perf.step_time import estimate_step_time
 
-    kw = {"zero3": {}, "hpz": {"zero_hierarchy": 8}, "ours": {"hierarchical_zero": True},
-          "ours-int8": {"hierarchical_zero_int8": True}}
+    tiers = "package,node,network"  # --zero-hierarchy's form
+    kw = {"zero3": {}, "hpz": {"zero_hpz_partition_size": 8}, "ours": {"zero_hierarchy": tiers},
+          "ours-int8": {"zero_hierarchy": tiers, "zero_hierarchy_int8": True}}
     model, out = named_model("gpt-20b"), {}
     for mode in MODES:
-        layout = Layout(tp=1, pp=1, dp=NODES_20B * 8, micro_batch_size=1, global_batch_size=GBS_20B, zero_stage=3,
-                        recompute_granularity="full", **kw[mode])
+        layout = Layout.of(tp=1, pp=1, dp=NODES_20B * 8, micro_batch_size=1, global_batch_size=GBS_20B, zero_stage=3,
+                           recompute_granularity="full", **kw[mode])
         st = estimate_step_time(model, layout)
         out[mode] = (st.total, st.dp_comm, estimate_comm(model, layout).wire_bytes_by_tier()["network"])
     return out

@@ -54,7 +54,7 @@ def _engine(model, cfg, args):
     initialize_distributed("gloo")
     run = RunConfig(model=cfg, optimizer=OptimizerConfig(lr=1e-4, clip_grad=1.0),
                     training=TrainingConfig(micro_batch_size=args.batch, global_batch_size=args.batch,
-                                            train_iters=10**6)).validate()
+                                            train_iters=10**6))
     deepspeed.utils.logger.setLevel("WARNING")
     return initialize_engine(model, run, ParallelState.build(1), build_ds_config(run))
 

@@ -41,8 +41,8 @@ def main(argv=None) -> None:
     base_saved, base_peak = max(r[1][0] for r in res), max(r[1][1] for r in res)
     for sp in (1, 2, 4):
         saved, peak = max(r[sp][0] for r in res), max(r[sp][1] for r in res)  # the worst rank
-        layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, zero_stage=0, dtype="fp32",
-                        ds_sequence_parallel_size=sp)
+        layout = Layout.of(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, zero_stage=0, dtype="fp32",
+                           ds_sequence_parallel_size=sp)
         t = estimate_memory(model, layout).terms
         pred = t["activations"] + t["embedding_activations"] + t["logits"]
         print(f"{sp:>3} {saved / 2**20:15.2f} {saved / base_saved:8.3f} {peak / 2**20:14.2f} {peak / base_peak:8.3f} "

@@ -1,9 +1,11 @@
 """The one seam to DeepSpeed: build and check the ds_config from the validated RunConfig, then call
 ``deepspeed.initialize``. Nothing else in the project imports ``deepspeed`` for training.
 
-The CLI is the single source of truth. A user's ``--deepspeed_config`` may add DeepSpeed knobs, but a
-batch size, clipping, precision or ZeRO stage that disagrees with the flags is refused with a message
-naming both values, never silently resolved. Every key of the JSON is honoured, an accepted no-op (said
+The validated RunConfig is the single source of truth. What a user's ``--deepspeed_config`` decides for the run
+as upstream (its ZeRO stage, clipping, precision, recompute, hierarchical ZeRO where no flag gives them) is in it
+already (megatron/arguments/deepspeed_json.py); the JSON may add DeepSpeed knobs, but a batch size, clipping,
+precision or ZeRO stage that disagrees with the flags is refused with a message naming both values, never silently
+resolved. Every key of the JSON is honoured, an accepted no-op (said
 once in the log) or refused before the process group: megatron/compat/ds_config_keys.py classes them.
 The fp16 loss-scale keys are the exception upstream made: the JSON wins over a contradicting flag, with a
 warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (one log line each).
@@ -11,7 +13,6 @@ warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (on
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -21,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron import ds_seams
 from megatron.compat import ds_json
+from megatron.compat.ds_json import load_ds_config
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
@@ -40,21 +42,6 @@ def template_path(zero_stage: int, precision: str) -> str:
     return os.path.join(TEMPLATE_DIR, f"zero{zero_stage}_{precision}.json")
 
 
-def load_ds_config(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--deepspeed_config {path}: file not found; pass an existing JSON file or omit the flag "
-                          "to use the template for --zero-stage")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"--deepspeed_config {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
-    return cfg
-
-
 def _agree(cfg: dict, key: str, want, flag: str, source: str) -> None:
     have = cfg.get(key)
     if isinstance(have, str) and have.startswith("filled from"):
@@ -65,20 +52,13 @@ def _agree(cfg: dict, key: str, want, flag: str, source: str) -> None:
     cfg[key] = want
 
 
-def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_given: bool = True,
-                    clip_grad_given: bool = True) -> dict:
-    """The complete ds_config for this run. ``zero_stage_given`` / ``clip_grad_given``: --zero-stage /
-    --clip-grad was on the command line (otherwise a user JSON's stage / gradient_clipping wins, as upstream
-    where DeepSpeed clips from the JSON, and is written back into ``run``)."""
-    p, t, o, prec = run.parallel, run.training, run.optimizer, run.precision
-    source = f"--deepspeed_config {user_config}" if user_config else "template"
-    if user_config:
-        cfg = load_ds_config(user_config)
-        if not zero_stage_given and "stage" in cfg.get("zero_optimization", {}):
-            p.zero_stage = int(cfg["zero_optimization"]["stage"])
-    else:
-        cfg = load_ds_config(template_path(p.zero_stage, prec.name))
-    cfg = copy.deepcopy(cfg)
+def build_ds_config(run: RunConfig) -> dict:
+    """The complete ds_config for this run: the user's JSON (``run.deepspeed``, already merged into the config by
+    megatron/arguments/deepspeed_json.py) or the template for the ZeRO stage and precision, filled from the config
+    and checked against it. A pure function of ``run``: it reads the config and writes only the dict it returns."""
+    p, t, o, prec, ds = run.parallel, run.training, run.optimizer, run.precision, run.deepspeed
+    user_config, source = ds.config, ds.source
+    cfg = json.loads(ds.user_json) if user_config else load_ds_config(template_path(p.zero_stage, prec.name))
     notes = ds_json.apply_table(cfg, source)  # unknown and refused keys stop here, before any process group
     notes = notes if user_config else []  # our own template's keys need no word
     accel_cpu = get_accelerator().device_name() == "cpu"
@@ -90,11 +70,6 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     notes += ds_json.optimizer_note(cfg, o, offload)
     ds_json.check_monitors(cfg, source)
 
-    clip = cfg.get("gradient_clipping")
-    if user_config and not clip_grad_given and isinstance(clip, int | float) and not isinstance(clip, bool):
-        if clip < 0:
-            raise ConfigError(f"{source}: gradient_clipping={clip} must be >= 0 (0 disables clipping)")
-        o.clip_grad = float(clip)
     gas = t.grad_accumulation_steps(p.dp)
     _agree(cfg, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", source)
     _agree(cfg, "train_batch_size", t.global_batch_size, "--global-batch-size", source)
@@ -119,9 +94,6 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
             raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --ds-sequence-parallel-size "
                               f"{p.sp}: DeepSpeed's ZeRO-3 then scales SP gradients inconsistently; drop the key")
         zero["reduce_scatter"] = True
-    if run.model.moe.enabled and p.zero_stage == 3:  # the flag was refused before; this is the JSON's stage
-        raise ConfigError(f"{source} sets zero_optimization.stage=3 with --num-experts: DeepSpeed's ZeRO-3 does not "
-                          "shard expert parameters (its engine refuses MoE); use stage 1 or 2")
     if run.model.moe.enabled and p.zero_stage in (1, 2) and zero.get("reduce_scatter") is False:
         # Its all-reduce path reduces a whole gradient bucket over the data-parallel group, experts included.
         raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --num-experts: DeepSpeed then "
@@ -129,10 +101,6 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     if run.model.moe.enabled and p.zero_stage == 2 and zero.get("contiguous_gradients") is False:
         raise ConfigError(f"{source} sets zero_optimization.contiguous_gradients=false with --num-experts: DeepSpeed's "
                           "ZeRO-2 partitions expert gradients only from the contiguous buffer; drop the key")
-    if p.pp > 1 and p.zero_stage >= 2:
-        raise ConfigError(f"ZeRO-{p.zero_stage} with --pipeline-model-parallel-size {p.pp}: DeepSpeed's pipeline "
-                          "engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel with "
-                          "--pipeline-model-parallel-size 1")
     if p.pp > 1 and (p.sequence_parallel or run.model.moe.enabled):
         # The engine's pipe/grad partitioning sends 1/TP of a stage's output and all-gathers it on the next
         # stage, assuming every TP rank holds the same tensor; with SP each holds its own sequence slice. With
@@ -144,15 +112,11 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
             if pipe_cfg.get(key):
                 raise ConfigError(f"{source} sets pipeline.{key}=true, which {why}")
             pipe_cfg[key] = False
-    notes += _activation_checkpointing(cfg, run, source)
+    notes += _activation_checkpointing(cfg, run)
 
-    json_precision = [n for n in ("fp16", "bf16") if bool(cfg.get(n, {}).get("enabled", False))] if user_config else []
-    if json_precision and not (prec.fp16 or prec.bf16):
-        # Under --deepspeed upstream's engine takes the dtype from the JSON alone (its flags only shape Megatron's own
-        # optimizer, unused there): a JSON that enables fp16/bf16 trains in it, so this run does too.
-        setattr(prec, json_precision[0], True)
-        notes.append(f"> {source} enables {json_precision[0]} and neither --fp16 nor --bf16 is given: training in "
-                     f"{json_precision[0]}, as upstream under --deepspeed")
+    if ds.precision_from_json:
+        notes.append(f"> {source} enables {ds.precision_from_json} and neither --fp16 nor --bf16 is given: training "
+                     f"in {ds.precision_from_json}, as upstream under --deepspeed")
     for name in ("fp16", "bf16"):
         enabled_in_json = bool(cfg.get(name, {}).get("enabled", False))
         wanted = getattr(prec, name)
@@ -171,7 +135,7 @@ def build_ds_config(run: RunConfig, user_config: str | None = None, zero_stage_g
     # Upstream's FusedAdam is on DeepSpeed's tested list; torch's AdamW/SGD are the same updates.
     cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 10**9)
-    cfg[NOTES_KEY] = run.notes + notes
+    cfg[NOTES_KEY] = list(run.notes) + notes
     return cfg
 
 
@@ -183,24 +147,18 @@ def log_notes(ds_config: dict, rank: int) -> None:
 
 
 def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
-    """Fill and check the ``megatron_frontier`` section (hierarchical ZeRO); initialize_engine strips it."""
+    """Fill and check the ``megatron_frontier`` section (hierarchical ZeRO); initialize_engine strips it. The mode's
+    refusals are the config's (megatron/config/parallel.py), which holds it whether the flags or the JSON turned it
+    on."""
     p = run.parallel
-    if p.zero_hierarchy:
+    if p.zero_hierarchy and not run.deepspeed.hierarchy_from_json:
         section = cfg.setdefault(hierarchical_zero.SECTION, {})
         levels = list(hierarchical_zero.config.parse_levels(p.zero_hierarchy))
         _agree(section, "zero_hierarchy", levels, "--zero-hierarchy", source)
         if p.zero_hierarchy_weights:
             _agree(section, "zero_hierarchy_weights", p.zero_hierarchy_weights, "--zero-hierarchy-weights", source)
         section["zero_hierarchy_int8"] = bool(section.get("zero_hierarchy_int8")) or p.zero_hierarchy_int8
-    hcfg = hierarchical_zero.from_ds_config(cfg)
-    if hcfg is not None and run.model.moe.enabled:
-        raise ConfigError(f"hierarchical ZeRO ({source}) with --num-experts: its engine reduces every gradient over "
-                          "the whole data-parallel group, not the experts' own replicas; use --zero-stage 1 or 2")
-    if hcfg is not None and p.sp > 1:
-        raise ConfigError(f"hierarchical ZeRO ({source} / --zero-hierarchy) with --ds-sequence-parallel-size {p.sp}: "
-                          "its engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
-    if hcfg is not None:
-        hierarchical_zero.check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
+    hierarchical_zero.from_ds_config(cfg)  # the section's own keys and tiers
     section = cfg.get(hierarchical_zero.SECTION) or {}
     if section.get("zero_hpz"):  # DeepSpeed's own hpZ, sized from our topology, never from device_count()
         hpz = hierarchical_zero.hpz_partition_size(cfg, p.tp, p.zero_stage, hierarchical_zero.ranks_per_node(section))
@@ -208,36 +166,19 @@ def _zero_hierarchy(cfg: dict, run: RunConfig, source: str) -> None:
                source)
 
 
-def _activation_checkpointing(cfg: dict, run: RunConfig, source: str) -> list[str]:
-    """Honour DeepSpeed's activation-checkpointing keys through our own RNG-exact recompute.
-
-    ``pipeline.activation_checkpoint_interval`` > 0 means full recompute (our layers checkpoint themselves,
-    so the engine's own interval is zeroed: DeepSpeed's checkpoint would not replay our TP RNG tracker).
-    ``activation_checkpointing`` keys mean what DeepSpeed's checkpointing does with them (see
-    megatron/core/tensor_parallel/recompute.py CheckpointOptions), joined with the flags. Upstream's
-    ``deepspeed.checkpointing.configure`` overwrote them with the flags' defaults; here a true JSON value counts.
-    """
+def _activation_checkpointing(cfg: dict, run: RunConfig) -> list[str]:
+    """Notes on the recompute DeepSpeed's activation-checkpointing keys chose (megatron/arguments/deepspeed_json.py
+    merged them into the model config). The engine's own ``pipeline.activation_checkpoint_interval`` is zeroed: our
+    layers checkpoint themselves (DeepSpeed's checkpoint would not replay our TP RNG tracker)."""
     m, notes = run.model, []
-    interval = int(cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0)
-    if interval > 0:
-        if m.recompute_granularity == "selective":
-            raise ConfigError(f"{source} sets pipeline.activation_checkpoint_interval={interval} (full recompute) "
-                              "but --recompute-granularity is selective: drop one")
-        m.recompute_granularity = "full"
+    if int(cfg.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0) > 0:
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
-    ac = cfg.get("activation_checkpointing") or {}
-    for key, attr, flag in (("partition_activations", "recompute_partition", "--partition-activations"),
-                            ("cpu_checkpointing", "recompute_on_cpu", "--checkpoint-in-cpu"),
-                            ("synchronize_checkpoint_boundary", "recompute_synchronize", "--synchronize-each-layer"),
-                            ("profile", "recompute_profile", "--profile-backward")):
-        if ac.get(key) and not getattr(m, attr):
-            setattr(m, attr, True)
-            notes.append(f"{ds_json.NOTE} activation_checkpointing.{key}=true honoured (upstream's "
-                         f"--deepspeed-activation-checkpointing overwrote it with {flag}'s default, false)")
+    flags = {key: flag for key, _, flag in ds_json.ACTIVATION_CHECKPOINTING}
+    for key in run.deepspeed.recompute_from_json:
+        notes.append(f"{ds_json.NOTE} activation_checkpointing.{key}=true honoured (upstream's "
+                     f"--deepspeed-activation-checkpointing overwrote it with {flags[key]}'s default, false)")
     full = m.recompute_granularity == "full"
-    chosen = [k for k, a in (("partition_activations", "recompute_partition"), ("cpu_checkpointing",
-              "recompute_on_cpu"), ("synchronize_checkpoint_boundary", "recompute_synchronize"),
-              ("profile", "recompute_profile")) if getattr(m, a)]
+    chosen = [key for key, attr, _ in ds_json.ACTIVATION_CHECKPOINTING if getattr(m, attr)]
     if chosen and not full:
         notes.append(f"{ds_json.NOTE} activation_checkpointing {', '.join(chosen)}: no effect, nothing is "
                      "recomputed without --checkpoint-activations / --recompute-granularity full")

@@ -102,11 +102,11 @@ def parse_nodelist(nodelist: str) -> list[str]:
     for i, ch in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(ch, 0)
         if depth < 0 or depth > 1:
-            raise DistributedError(f"malformed Slurm nodelist {nodelist!r}: unbalanced brackets")
+            break
         if ch == "," and depth == 0:
             entries.append(nodelist[start:i])
             start = i + 1
-    if depth:
+    if depth:  # a bracket closed before it opened, nested, or left open
         raise DistributedError(f"malformed Slurm nodelist {nodelist!r}: unbalanced brackets")
     entries.append(nodelist[start:])
     hosts: list[str] = []
@@ -358,6 +358,28 @@ class GroupReport:
         return f"{self.kind.upper()}: {len(self.groups)} groups of {self.size}; tiers: {counts}{note}"
 
 
+def check_world_divides(world_size: int, tp: int, pp: int, sp: int = 1) -> None:
+    """The ranks split into TP x PP (x Ulysses SP) x DP: the config's check (megatron/config/parallel.py), the dry
+    run's and the planner's, and the groups'."""
+    if sp > 1 and world_size % (tp * pp * sp):
+        raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x "
+                          f"--ds-sequence-parallel-size {sp} = {tp * pp * sp}: launch a multiple of {tp * pp * sp} "
+                          "ranks or shrink the sizes")
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} ranks or "
+                          "shrink TP/PP")
+
+
+def check_expert_parallel(world_size: int, tp: int, pp: int, sp: int, ep: int) -> None:
+    """The experts' EP ranks are consecutive data-parallel ranks: EP divides the data-parallel size."""
+    dp = world_size // (tp * pp * sp)
+    if dp % ep:
+        raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp} (world "
+                          f"{world_size} / TP {tp} / PP {pp}): the expert-parallel ranks are data-parallel ranks; use "
+                          f"a divisor of {dp}")
+
+
 def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1,
                     ep: int | None = None) -> dict[str, list[list[int]]]:
     """Megatron's rank order (TP innermost, then DP, then PP): rank = (pp_i * dp + dp_i) * tp + tp_i.
@@ -370,9 +392,7 @@ def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1,
     its consecutive runs of ``ep`` ranks (one copy of all experts: the token all-to-alls, inside a node where they
     fit), "edp" its strided members (the replicas of the same experts: their gradients), as DeepSpeed's expert
     groups. 16 ranks, TP=2, EP=2: EP [0,2] [4,6] ... [1,3] ..., EDP [0,4,8,12] [2,6,10,14] [1,5,9,13] ..."""
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} ranks")
+    check_world_divides(world_size, tp, pp, sp)
     dp = world_size // (tp * pp)
     groups = {
         "tp": [[(p * dp + d) * tp + t for t in range(tp)] for p in range(pp) for d in range(dp)],
@@ -380,17 +400,12 @@ def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1,
         "pp": [[(p * dp + d) * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
     if sp > 1:
-        if dp % sp:
-            raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x "
-                              f"--ds-sequence-parallel-size {sp}: launch a multiple of {tp * pp * sp} ranks")
         sdp = groups["dp"]
         groups["sp"] = [g[i:i + sp] for g in sdp for i in range(0, dp, sp)]
         groups["dp"] = [g[j::sp] for g in sdp for j in range(sp)]
         groups["sdp"] = sdp
     if ep is not None:
-        if dp % ep:
-            raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp}: use a "
-                              f"divisor of {dp}")
+        check_expert_parallel(world_size, tp, pp, sp, ep)
         groups["ep"] = [g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep)]
         groups["edp"] = [g[j::ep] for g in groups["dp"] for j in range(ep)]
     return groups

@@ -128,17 +128,14 @@ def explicit_layout(args: argparse.Namespace, gcds: int) -> Layout | None:
     if len(given) != len(LAYOUT_FLAGS):
         missing = [f"--{f.replace('_', '-')}" for f in LAYOUT_FLAGS if f not in given]
         raise ConfigError(f"an explicit layout needs all four layout flags; missing {', '.join(missing)}")
-    tp, pp, sp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ds_sequence_parallel_size
-    if tp < 1 or pp < 1 or sp < 1 or gcds % (tp * pp * sp):
-        raise ConfigError(f"{gcds} GCDs are not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp} x --ds-sequence-parallel-size {sp}")
-    return Layout(tp=tp, pp=pp, dp=gcds // (tp * pp * sp), micro_batch_size=args.micro_batch_size,
-                  ds_sequence_parallel_size=sp,
+    return Layout(world_size=gcds, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                  ds_sequence_parallel_size=args.ds_sequence_parallel_size, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
                   sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
                   flash_attention=not args.no_flash_attention, dtype=args.dtype,
-                  zero_hierarchy=args.zero_hpz_partition_size,
-                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
+                  zero_hpz_partition_size=args.zero_hpz_partition_size,
+                  moe_expert_parallel_size=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)
 
 
 def comm_line(model: ModelConfig, layout: Layout) -> str:
@@ -185,8 +182,8 @@ def ds_config(layout: Layout) -> dict:
     elif layout.zero_stage == 3:
         zero |= {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                  "stage3_param_persistence_threshold": 100_000, "overlap_comm": True, "contiguous_gradients": True}
-        if layout.zero_hierarchy:
-            zero["zero_hpz_partition_size"] = layout.zero_hierarchy
+        if layout.zero_hpz_partition_size:
+            zero["zero_hpz_partition_size"] = layout.zero_hpz_partition_size
     cfg = {
         "train_batch_size": layout.global_batch_size,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
@@ -220,8 +217,8 @@ def sbatch_command(model: ModelConfig, layout: Layout, ds_config_path: str | Non
               f"--micro-batch-size {layout.micro_batch_size}", f"--global-batch-size {layout.global_batch_size}"]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
-    if layout.ulysses > 1:
-        flags.append(f"--ds-sequence-parallel-size {layout.ulysses}")
+    if layout.sp > 1:
+        flags.append(f"--ds-sequence-parallel-size {layout.sp}")
     if layout.recompute_granularity:
         flags.append(f"--recompute-granularity {layout.recompute_granularity}")
     if layout.flash_attention:

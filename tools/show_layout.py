@@ -4,8 +4,9 @@ parallel group crosses, and the memory one GCD needs. No GPU, no process group.
     python tools/show_layout.py --nodes 128 --model-size gpt-1t --tensor-model-parallel-size 8 \
         --pipeline-model-parallel-size 64 --zero-stage 1 --bf16 --use-flash-attn-v2 --recompute-granularity full
 
-Flags it does not know (--lr, --data-path, ...) are ignored, so a training command line can be passed unchanged;
-``pretrain_gpt.py --dry-run`` can call :func:`main` with its own argv.
+The flags are training's, read by the same path (megatron/arguments/dry_run.py: the parser, the DeepSpeed JSON, the
+RunConfig's validation), so a training command line can be passed unchanged; the flags the layout does not depend on
+(--lr, --data-path, ...) are listed as ignored. ``pretrain_gpt.py --dry-run`` calls :func:`main` with its own argv.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.config import ModelConfig, MoEConfig
-from megatron.errors import ConfigError, run_cli
-from megatron.config.sizes import model_names, named_model
+from megatron.arguments.dry_run import configure_dry_run
+from megatron.config import ModelConfig
+from megatron.errors import run_cli
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GCD_MEMORY_BYTES, GIB, MemoryEstimate, estimate_memory
 from megatron.topology import (
@@ -37,109 +38,19 @@ MAX_TABLE_NODES = 32
 EXIT_DOES_NOT_FIT = 3
 """Exit code of --require-fit when the estimate exceeds one GCD's HBM (the tuning job skips such layouts)."""
 
-# Model-shape flags: (flag, ModelConfig field, type).
-_MODEL_FLAGS = (
-    ("--num-layers", "num_layers", int), ("--hidden-size", "hidden_size", int),
-    ("--num-attention-heads", "num_attention_heads", int), ("--num-key-value-heads", "num_key_value_heads", int),
-    ("--ffn-hidden-size", "ffn_hidden_size", int), ("--seq-length", "seq_length", int),
-    ("--max-position-embeddings", "max_position_embeddings", int), ("--vocab-size", "vocab_size", int),
-    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", int),
-    ("--hidden-dropout", "hidden_dropout", float), ("--attention-dropout", "attention_dropout", float),
-    ("--normalization", "normalization", str),
-)
-GPT2_VOCAB = 50257
-
 
 def build_parser() -> argparse.ArgumentParser:
+    """The dry run's own flags; every other flag is training's (megatron/arguments)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--world-size", type=int, help="number of ranks (one per GCD)")
-    size.add_argument("--nodes", type=int, help=f"number of Frontier nodes ({GCDS_PER_NODE} GCDs each)")
-    p.add_argument("--ranks-per-node", type=int, default=GCDS_PER_NODE)
-    p.add_argument("--model-size", choices=model_names(), help="named shape; explicit shape flags override it")
-    for flag, _, typ in _MODEL_FLAGS:
-        p.add_argument(flag, type=typ, default=None)
-    p.add_argument("--swiglu", action="store_true", default=None)
-    p.add_argument("--use-rotary-position-embeddings", action="store_true", default=None)
-    p.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-    p.add_argument("--disable-bias-linear", action="store_true", default=None)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--ds-sequence-parallel-size", type=int, default=1,
-                   help="DeepSpeed-Ulysses ranks per sequence (inside the data-parallel dimension)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x DP")
-    p.add_argument("--zero-stage", type=int, default=0)
-    p.add_argument("--zero-hpz-partition-size", type=int, default=None)
-    prec = p.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true")
-    prec.add_argument("--fp16", action="store_true")
-    p.add_argument("--use-flash-attn-v2", "--use-flash-attn", dest="flash", action="store_true")
-    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    moe = p.add_argument_group("mixture of experts (upstream's flags; the planner counts experts per rank)")
-    moe.add_argument("--num-experts", type=int, nargs="+", default=[1])
-    moe.add_argument("--expert-interval", type=int, default=2)
-    moe.add_argument("--topk", type=int, default=1)
-    moe.add_argument("--mlp-type", choices=("standard", "residual"), default="standard")
-    moe.add_argument("--moe-expert-parallel-size", type=int, default=1)
-    moe.add_argument("--enable-expert-tensor-parallelism", action="store_true")
-    p.add_argument("--allow-tp-across-nodes", action="store_true")
+    p.add_argument("--ranks-per-node", type=int, default=GCDS_PER_NODE, help="ranks of one node under --nodes")
+    p.add_argument("--zero-hpz-partition-size", type=int, default=None,
+                   help="ZeRO++ hpZ secondary partition (ZeRO-3): a second weight shard over this many ranks")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the layout and the memory terms to a PNG")
     p.add_argument("--summary-only", action="store_true", help="skip the per-rank table")
     p.add_argument("--all-nodes", action="store_true", help=f"table rows for every node, even above {MAX_TABLE_NODES}")
     p.add_argument("--require-fit", action="store_true",
                    help=f"exit {EXIT_DOES_NOT_FIT} if the estimate exceeds one GCD's 64 GiB (for tuning scripts)")
     return p
-
-
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """--model-size NAME with overrides, or a shape from the explicit flags (GPT-2 vocab by default)."""
-    overrides = {field: getattr(args, field) for _, field, _ in _MODEL_FLAGS if getattr(args, field) is not None}
-    if args.swiglu:
-        overrides["swiglu"] = True
-    if args.use_rotary_position_embeddings:
-        overrides["position_embedding_type"] = "rope"
-    if args.untie_embeddings_and_output_weights:
-        overrides["untie_embeddings_and_output_weights"] = True
-    if args.disable_bias_linear:
-        overrides["add_bias_linear"] = False
-    overrides["moe"] = MoEConfig(num_experts=tuple(args.num_experts), expert_interval=args.expert_interval,
-                                 topk=args.topk, mlp_type=args.mlp_type,
-                                 enable_expert_tensor_parallelism=args.enable_expert_tensor_parallelism)
-    if args.model_size:
-        return named_model(args.model_size, **overrides)
-    missing = [flag for flag, field, _ in _MODEL_FLAGS[:6] if field not in overrides and field in
-               ("num_layers", "hidden_size", "num_attention_heads", "seq_length")]
-    if missing:
-        raise ConfigError(f"no model shape: pass --model-size NAME or {', '.join(missing)}")
-    overrides.setdefault("vocab_size", GPT2_VOCAB)
-    return ModelConfig(**overrides)
-
-
-def world_from_args(args: argparse.Namespace) -> int:
-    if args.world_size is None and args.nodes is None:
-        raise ConfigError("pass --world-size N (ranks) or --nodes N (8 GCDs each)")
-    world = args.world_size if args.world_size is not None else args.nodes * args.ranks_per_node
-    if world < 1:
-        raise ConfigError(f"--world-size / --nodes must be positive, got {world}")
-    return world
-
-
-def layout_from_args(args: argparse.Namespace, world: int) -> Layout:
-    tp, pp, sp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ds_sequence_parallel_size
-    if tp < 1 or pp < 1 or sp < 1 or world % (tp * pp * sp):
-        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp} x --ds-sequence-parallel-size {sp}: launch a "
-                          f"multiple of {max(1, tp * pp * sp)} ranks")
-    dp = world // (tp * pp * sp)
-    return Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=args.micro_batch_size, ds_sequence_parallel_size=sp,
-                  global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
-                  zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel,
-                  recompute_granularity=args.recompute_granularity, flash_attention=args.flash,
-                  dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                  zero_hierarchy=args.zero_hpz_partition_size,
-                  ep=args.moe_expert_parallel_size if max(args.num_experts) > 1 else 1)  # dense: EP means nothing
 
 
 def _cell(p: Placement, world: int, layout: Layout, experts: bool = False) -> str:
@@ -211,28 +122,23 @@ def format_memory(est: MemoryEstimate, layout: Layout) -> str:
             hints.append("--recompute-granularity full")
         if layout.tp > 1 and not layout.sequence_parallel:
             hints.append("--sequence-parallel")
-        if layout.ulysses == 1 and layout.dp > 1:
+        if layout.sp == 1 and layout.dp > 1:
             hints.append("--ds-sequence-parallel-size (long sequences: activations / SP)")
         hints.append("a larger --pipeline-model-parallel-size or --tensor-model-parallel-size (<= 8)")
         lines.append(f"  try: {'; '.join(hints)}")
     return "\n".join(lines)
 
 
-def render(model: ModelConfig, layout: Layout, world: int, ranks_per_node: int = GCDS_PER_NODE,
+def render(model: ModelConfig, layout: Layout, ranks_per_node: int = GCDS_PER_NODE,
            allow_tp_across_nodes: bool = False, summary_only: bool = False,
            all_nodes: bool = False) -> tuple[str, MemoryEstimate, list[Placement], dict[str, GroupReport]]:
-    """The whole dry-run report as text, plus the pieces the plot needs."""
+    """The whole dry-run report as text, plus the pieces the plot needs (``layout``: a validated run's)."""
+    world = layout.world_size
     layout.validate_for(model)
-    if model.moe.enabled:
-        model.moe.validate(model.num_layers, layout.micro_batch_size * model.seq_length)
-        for n in {n for n in model.layer_experts() if n > 1}:
-            if n % layout.ep:
-                raise ConfigError(f"--moe-expert-parallel-size {layout.ep} does not divide --num-experts {n}: use a "
-                                  "divisor of the expert count")
     check_tp_within_node(world, layout.tp, layout.pp, ranks_per_node, allow_tp_across_nodes)
     placements = frontier_placement(world, ranks_per_node)
     experts = model.moe.enabled
-    reports = group_reports(placements, layout.tp, layout.pp, layout.ulysses, layout.ep if experts else None)
+    reports = group_reports(placements, layout.tp, layout.pp, layout.sp, layout.ep if experts else None)
     est = estimate_memory(model, layout)
     nodes = placements[-1].node_index + 1
     out = [
@@ -312,20 +218,19 @@ def plot(path: str, placements: list[Placement], layout: Layout, est: MemoryEsti
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, unknown = build_parser().parse_known_args(argv)
-    world = world_from_args(args)
-    model = model_from_args(args)
-    layout = layout_from_args(args, world)
-    text, est, placements, reports = render(model, layout, world, args.ranks_per_node, args.allow_tp_across_nodes,
-                                            args.summary_only, args.all_nodes)
-    ignored = sorted({u.split("=")[0] for u in unknown if u.startswith("--")})
-    if ignored:
-        text += f"\n\n(ignored training flags: {' '.join(ignored)})"
+    own, training_flags = build_parser().parse_known_args(argv)
+    dry = configure_dry_run(training_flags, own.ranks_per_node)
+    run = dry.run
+    layout = Layout.from_run(run, zero_hpz_partition_size=own.zero_hpz_partition_size)
+    text, est, placements, reports = render(run.model, layout, own.ranks_per_node, run.runtime.allow_tp_across_nodes,
+                                            own.summary_only, own.all_nodes)
+    if dry.ignored:
+        text += f"\n\n(ignored training flags: {' '.join(dry.ignored)})"
     print(text, flush=True)
-    if args.plot:
-        plot(args.plot, placements, layout, est, reports)
-        print(f"wrote {args.plot}", flush=True)
-    if args.require_fit and not est.fits():
+    if own.plot:
+        plot(own.plot, placements, layout, est, reports)
+        print(f"wrote {own.plot}", flush=True)
+    if own.require_fit and not est.fits():
         print(f"does not fit: {est.total / GIB:.1f} GiB > {GCD_MEMORY_BYTES / GIB:.0f} GiB per GCD", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -56,7 +57,7 @@ def train_tokenizer(args: argparse.Namespace) -> str:
         show_progress=False,
     )
     if seen["docs"] == 0:
-        raise DataError(f"--input {' '.join(args.input)} holds no text to train on (empty corpus)")
+        _empty_corpus(args)
     os.makedirs(args.output_dir, exist_ok=True)
     tok.save_model(args.output_dir)  # vocab.json + merges.txt, GPT-2's file format
     tok.save(os.path.join(args.output_dir, "tokenizer.json"))
@@ -66,6 +67,10 @@ def train_tokenizer(args: argparse.Namespace) -> str:
         flush=True,
     )
     return args.output_dir
+
+
+def _empty_corpus(args: argparse.Namespace) -> NoReturn:
+    raise DataError(f"--input {' '.join(args.input)} holds no text to train on (empty corpus)")
 
 
 def _texts(args: argparse.Namespace, seen: dict):
@@ -88,7 +93,7 @@ def _train_sentencepiece(args: argparse.Namespace) -> str:
     seen = {"docs": 0}
     texts = list(_texts(args, seen))  # the trainer needs the whole corpus anyway
     if not texts:
-        raise DataError(f"--input {' '.join(args.input)} holds no text to train on (empty corpus)")
+        _empty_corpus(args)
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = os.path.join(args.output_dir, "tokenizer")
     t0 = time.time()

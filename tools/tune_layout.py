@@ -81,8 +81,8 @@ def command(model: ModelConfig, layout: Layout, args: argparse.Namespace) -> lis
                       "--eval-iters", "0", "--lr", "1e-4", "--seed", "1234"]
     if layout.sequence_parallel:
         cmd.append("--sequence-parallel")
-    if layout.ulysses > 1:
-        cmd += ["--ds-sequence-parallel-size", str(layout.ulysses)]
+    if layout.sp > 1:
+        cmd += ["--ds-sequence-parallel-size", str(layout.sp)]
     if layout.recompute_granularity:
         cmd += ["--recompute-granularity", layout.recompute_granularity]
     if layout.dtype == "bf16":

@@ -1,5 +1,6 @@
 """The parser side: Megatron-DeepSpeed's flags (parser.py, with upstream's flag classes in megatron/compat and the
-ranges in megatron/flag_bounds.py) turned into one validated RunConfig (configs.py). Nothing after it reads argparse."""
+ranges in megatron/flag_bounds.py) and a user's DeepSpeed JSON (deepspeed_json.py) turned into one validated, frozen
+RunConfig (configs.py; dry_run.py for --dry-run). Nothing after it reads argparse."""
 
 from megatron.arguments.configs import (
     attention_backend,

@@ -7,11 +7,11 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
+from megatron.arguments.deepspeed_json import with_deepspeed_json
 from megatron.arguments.parser import parse_args
 from megatron.config import (
     CheckpointSettings,
     DataConfig,
-    DeepSpeedSettings,
     LogOptions,
     ModelConfig,
     MoEConfig,
@@ -118,17 +118,26 @@ def _by_name(cls, args: argparse.Namespace, **given):
 
 
 def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: int) -> RunConfig:
-    """Validate everything together; raises ConfigError naming the flags and the fix."""
+    """The flags' settings, with what a --deepspeed_config decides merged in (megatron/arguments/deepspeed_json.py),
+    validated together as the RunConfig is built; raises ConfigError naming the flags and the fix. The learning rate,
+    the length of training and the data must be given."""
     if args.lr is None:
         raise ConfigError("--lr not given: set a learning rate, e.g. --lr 3e-4")
     if args.train_iters is None and args.train_samples is None:
         raise ConfigError("--train-iters not given: set how many iterations (or --train-samples) to train")
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples are both given: pick one")
-    data = data_config_from_args(args)
-    run = RunConfig(
-        model=model_config_from_args(args, vocab_size),
-        parallel=_by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0),
+    return build_run_config(args, world_size, vocab_size, data_config_from_args(args))
+
+
+def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int, data: DataConfig) -> RunConfig:
+    """The RunConfig of the flags with ``data`` as its data settings (what run_config_from_args checks first, a dry
+    run does not need)."""
+    model = model_config_from_args(args, vocab_size)
+    parallel = _by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0)
+    fields = with_deepspeed_json(dict(
+        model=model,
+        parallel=parallel,
         optimizer=_by_name(OptimizerConfig, args, clip_grad=1.0 if args.clip_grad is None else args.clip_grad),
         precision=_by_name(PrecisionConfig, args),
         training=_by_name(TrainingConfig, args,
@@ -145,15 +154,22 @@ def run_config_from_args(args: argparse.Namespace, world_size: int, vocab_size: 
                               ranks=tuple(args.profile_ranks) if args.profile_ranks is not None else None,
                               tensorboard_dir=args.tensorboard_dir),
         runtime=_by_name(RuntimeConfig, args),
-        deepspeed=DeepSpeedSettings(config=args.deepspeed_config, zero_stage_given=args.zero_stage is not None,
-                                    clip_grad_given=args.clip_grad is not None),
-        flags=dict(vars(args), tokenizer_type=data.tokenizer_type),
-    )
-    run.notes = recompute_notes(args, run.model.recompute_granularity)
-    if args.rotary_percent != 1.0 and run.model.position_embedding_type != "rope":
-        run.notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
-                         "(--position-embedding-type rope), as upstream")
-    return run.validate()
+    ), args.deepspeed_config, zero_stage_given=args.zero_stage is not None, clip_grad_given=args.clip_grad is not None)
+    # The notes speak of the flags as given (the JSON's recompute keys are build_ds_config's to say).
+    return RunConfig(**fields, notes=flag_notes(args, model, parallel),
+                     flags=dict(vars(args), tokenizer_type=data.tokenizer_type))
+
+
+def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig) -> tuple[str, ...]:
+    """Flags that are provable no-ops for this command line (as upstream), said once in the log."""
+    notes = recompute_notes(args, model.recompute_granularity)
+    if args.rotary_percent != 1.0 and model.position_embedding_type != "rope":
+        notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
+                     "(--position-embedding-type rope), as upstream")
+    if parallel.ep > 1 and not model.moe.enabled:
+        notes.append(f"> --moe-expert-parallel-size {parallel.ep} has no effect: no layer has experts "
+                     "(--num-experts), as upstream")
+    return tuple(notes)
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
@@ -167,7 +183,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                               f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
                               "or pass --tokenizer-type with its files")
         tokenizer_type = DEFAULT_TOKENIZER_TYPE
-    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type).validate()
+    data_path = tuple(args.data_path) if args.data_path is not None else None
+    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type, data_path=data_path).validate()
 
 
 _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",

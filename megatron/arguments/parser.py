@@ -120,10 +120,14 @@ def _moe(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="top-2: the second largest gate value, not a Gumbel sample")
 
 
-def _training(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("batch, optimiser and schedule")
+def _batch(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
+
+
+def _schedule(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimiser and schedule")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
@@ -169,6 +173,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu_torch_adam", "--cpu-torch-adam", dest="cpu_torch_adam", action="store_true",
                    help="with --cpu-optimizer: torch's AdamW instead of DeepSpeed's CPU Adam")
     g.add_argument("--seed", type=int, default=1234)
+
+
+def _precision(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
@@ -178,6 +185,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=None, help="default 1")
     g.add_argument("--loss-scale-window", type=int, default=None, help="default 1000")
     g.add_argument("--hysteresis", type=int, default=None, help="default 2")
+
+
+def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
@@ -215,6 +225,9 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="level-1 timers start without a barrier over all ranks")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate the --load'ed checkpoint on the valid and test splits, then exit")
+
+
+def _deepspeed(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is always used")
     g.add_argument("--deepspeed_config", "--deepspeed-config", "--deepscale_config", dest="deepspeed_config",
@@ -226,6 +239,9 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="tier sharing one copy of the 16-bit weights (default: node); forward all-gathers stay in it")
     g.add_argument("--zero-hierarchy-int8", action="store_true",
                    help="block-wise int8 on the network stage of --zero-hierarchy (with error feedback)")
+
+
+def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
     g.add_argument("--demo-corpus", action="store_true",
@@ -251,6 +267,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--per-epoch-doc-shuffle", action="store_true",
                    help="NOT upstream's order: shuffle each epoch's documents on its own (this project's order "
                         "before upstream's became the default); the same flags then read other samples")
+
+
+def _dry_run(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout dry run and placement")
     g.add_argument("--dry-run", action="store_true",
                    help="print where every rank lands and the memory per GCD, then exit (no GPU, no process group)")
@@ -327,15 +346,28 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see python pretrain_gpt.py --help)")
 
 
+# The groups of flags, in --help's order; those a parallel layout depends on (what the dry run reads, with
+# --vocab-size, which sizes its model) are marked.
+_GROUPS = ((_parallel, True), (_model, True), (_moe, True), (_batch, True), (_schedule, False), (_precision, True),
+           (_logging, False), (_deepspeed, True), (_data, False), (_dry_run, True), (_checkpointing, False))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-Frontier GPT pretraining", allow_abbrev=False)
-    _parallel(p)
-    _model(p)
-    _moe(p)
-    _training(p)
-    _checkpointing(p)
+    for add, _ in _GROUPS:
+        add(p)
     compat.add_upstream_flags(p)  # last: every upstream flag we do not define, to classify what was given
     return p
+
+
+def layout_flags() -> frozenset[str]:
+    """The option strings of the flags a parallel layout depends on: the model, parallelism, batch, precision and
+    DeepSpeed settings (tools/show_layout.py lists the other flags of a command line as ignored)."""
+    p = argparse.ArgumentParser(add_help=False)
+    for add, layout in _GROUPS:
+        if layout:
+            add(p)
+    return frozenset(s for a in p._actions for s in a.option_strings) | {"--vocab-size"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Apply the key table to a user's DeepSpeed JSON, and the sections the flags interact with.
+"""Read a DeepSpeed JSON, apply the key table to it, and the sections the flags interact with.
 
 Each function returns log lines ("notes") that rank 0 prints once before the process group; a refusal is
 a ConfigError naming the key and what to use instead.
@@ -7,13 +7,37 @@ a ConfigError naming the key and what to use instead.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
 
 from megatron.compat.ds_config_keys import NOOP, REFUSED, classify, lookup
 from megatron.config import OptimizerConfig, PrecisionConfig
 from megatron.errors import ConfigError
 
 NOTE = "> DeepSpeed JSON:"
+
+# DeepSpeed's activation_checkpointing keys, the ModelConfig field each turns on, and the flag that sets it.
+ACTIVATION_CHECKPOINTING = (("partition_activations", "recompute_partition", "--partition-activations"),
+                            ("cpu_checkpointing", "recompute_on_cpu", "--checkpoint-in-cpu"),
+                            ("synchronize_checkpoint_boundary", "recompute_synchronize", "--synchronize-each-layer"),
+                            ("profile", "recompute_profile", "--profile-backward"))
+
+
+def load_ds_config(path: str) -> dict:
+    """The JSON object in ``path`` (a user's --deepspeed_config or one of our templates)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path}: file not found; pass an existing JSON file or omit the flag "
+                          "to use the template for --zero-stage")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"--deepspeed_config {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
+    return cfg
 
 
 def apply_table(cfg: dict, source: str) -> list[str]:

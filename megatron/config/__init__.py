@@ -1,4 +1,5 @@
-"""Validated configuration dataclasses: the single source of truth for a run.
+"""Validated configuration dataclasses: the single source of truth for a run, frozen (``dataclasses.replace`` makes a
+variant, validated again).
 
 Only the parser (megatron/arguments) turns flags into them; every other module takes these objects. Each check a user
 can fail raises ``ConfigError`` naming the flags; numeric ranges come from one table (megatron/flag_bounds.py).

@@ -8,7 +8,7 @@ from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointSettings:
     save: str | None = None
     load: str | None = None

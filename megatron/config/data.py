@@ -9,9 +9,9 @@ from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
-    data_path: list[str] | None = None
+    data_path: tuple[str, ...] | None = None
     """PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend (megatron/data/gpt_builder.py parses it)."""
     mock_data: bool = False
     demo_corpus: bool = False

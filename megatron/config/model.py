@@ -18,7 +18,7 @@ _BOUNDED = {f: "--" + f.replace("_", "-") for f in (
 _BOUNDED["checkpoint_chunk_layers"] = "--checkpoint-num-layers=checkpoint_num_layers"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and variant of a GPT. Field names follow Megatron's flags (dashes -> underscores)."""
 
@@ -86,15 +86,15 @@ class ModelConfig:
     """Mixture of experts (megatron/config/moe.py); the default is the dense model."""
 
     def __post_init__(self) -> None:
+        """The defaults that follow from other fields, filled once (the config is frozen after)."""
         if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.ffn_hidden_size is None:
-            if self.swiglu:
-                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
+            ffn = (int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size) if self.swiglu \
+                else 4 * self.hidden_size
+            object.__setattr__(self, "ffn_hidden_size", ffn)
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
 
     @property
     def head_dim(self) -> int:
@@ -240,8 +240,13 @@ class ModelConfig:
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ConfigError(f"--rotary-percent {self.rotary_percent:g} of head dim {self.head_dim} rotates "
                               f"{self.rotary_dim} channels: it must be an even number > 0; pick a percent giving one")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'")
+        check_recompute_granularity(self.recompute_granularity)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_recompute_granularity(granularity: str | None) -> None:
+    """The model's recompute, and the planner's (megatron/perf/layout.py)."""
+    if granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {granularity!r}: choose 'full' or 'selective'")

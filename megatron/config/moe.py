@@ -14,7 +14,7 @@ _BOUNDED = {f: "--" + f.replace("_", "-") for f in (
     "moe_min_capacity", "moe_loss_coeff")}
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """The MoE settings of a model; the default (one expert) is the dense model."""
 

@@ -8,7 +8,7 @@ from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
@@ -84,7 +84,7 @@ class OptimizerConfig:
             "lr_warmup_tokens", "lr_decay_tokens")})
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     """The loss-scale fields are the flags as given (None: not on the command line). Under --fp16 they fill
     what the DeepSpeed JSON leaves out (megatron/engine.py); with bf16/fp32 they have no effect."""

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
+from megatron.topology import check_expert_parallel, check_world_divides
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How ranks are laid out. Megatron's order: TP innermost, then DP, then PP outermost."""
 
@@ -32,6 +33,11 @@ class ParallelConfig:
     """--moe-expert-parallel-size: each MoE layer's experts are split over this many consecutive ranks of the
     data-parallel group (megatron/topology.py parallel_groups: "ep", and "edp" for the experts' replicas)."""
 
+    def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            # Megatron silently turns it off; we do the same but keep the flag honest.
+            object.__setattr__(self, "sequence_parallel", False)
+
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
@@ -54,6 +60,7 @@ class ParallelConfig:
         return self.world_size // (self.tp * self.pp * self.sp)
 
     def validate(self) -> None:
+        """Raises ConfigError naming the flags; changes nothing."""
         check_fields(self, {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                             "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
                             "ds_sequence_parallel_size": "--ds-sequence-parallel-size", "zero_stage": "--zero-stage",
@@ -61,17 +68,27 @@ class ParallelConfig:
         if self.pp > 1 and self.no_pipeline_parallel:
             raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {self.pp}: the plain "
                               "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
-        if self.sp > 1 and self.world_size % (self.tp * self.pp * self.sp):
-            raise ConfigError(
-                f"world size {self.world_size} is not divisible by TP {self.tp} x PP {self.pp} x "
-                f"--ds-sequence-parallel-size {self.sp} = {self.tp * self.pp * self.sp}: launch a multiple of "
-                f"{self.tp * self.pp * self.sp} ranks or shrink the sizes")
-        if self.world_size % (self.tp * self.pp):
-            raise ConfigError(
-                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
-                f"--pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
-                f"{self.tp * self.pp} ranks or shrink TP/PP"
-            )
-        if self.sequence_parallel and self.tp == 1:
-            # Megatron silently turns it off; we do the same but keep the flag honest.
-            self.sequence_parallel = False
+        check_world_divides(self.world_size, self.tp, self.pp, self.sp)
+        if self.zero_hierarchy:  # --zero-hierarchy, or the DeepSpeed JSON's megatron_frontier section
+            self._validate_zero_hierarchy()
+        if self.pp > 1 and self.zero_stage >= 2:
+            raise ConfigError(f"ZeRO-{self.zero_stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's "
+                              "pipeline engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel "
+                              "with --pipeline-model-parallel-size 1")
+
+    def validate_expert_parallel(self) -> None:
+        """With experts (RunConfig checks a model's; the planner's layouts set EP only for one)."""
+        check_expert_parallel(self.world_size, self.tp, self.pp, self.sp, self.ep)
+
+    def _validate_zero_hierarchy(self) -> None:
+        """What hierarchical ZeRO-3 (megatron/core/hierarchical_zero) cannot run with."""
+        if self.sp > 1:
+            raise ConfigError(f"hierarchical ZeRO (--zero-hierarchy) with --ds-sequence-parallel-size {self.sp}: its "
+                              "engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
+        if self.zero_stage != 3:
+            raise ConfigError(f"--zero-hierarchy is a ZeRO-3 mode but --zero-stage is {self.zero_stage}: add "
+                              "--zero-stage 3")
+        if self.pp > 1:
+            raise ConfigError(f"--zero-hierarchy (hierarchical ZeRO-3) with --pipeline-model-parallel-size {self.pp}: "
+                              "like ZeRO-3 it shards weights per data-parallel rank and cannot run under DeepSpeed's "
+                              "pipeline engine; use --pipeline-model-parallel-size 1 --no-pipeline-parallel")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron.config.checkpoint import CheckpointSettings
@@ -19,9 +20,11 @@ from megatron.errors import ConfigError
 from megatron.optim.schedule_config import validate_schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
-    """Everything one training run needs, validated together."""
+    """Everything one training run needs, validated together when it is built (one ConfigError line naming the
+    flags) and frozen from then on, like every config inside it: a variant is ``dataclasses.replace(run, ...)``,
+    validated in turn."""
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -34,55 +37,66 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     """Flags accepted as provable no-ops for this run: printed once on rank 0 (megatron/engine.py log_notes)."""
     flags: dict = field(default_factory=dict)
     """The command line as parsed (flag dest -> value), kept only for the records upstream writes (a checkpoint's
-    'args', TensorBoard's text tab). Nothing reads a setting from it: the fields above are the settings."""
+    'args', TensorBoard's text tab). Nothing reads a setting from it, nothing writes it after configure: the fields
+    above are the settings."""
 
-    def validate(self) -> RunConfig:
-        self.parallel.validate()
-        self.model.validate(self.parallel.tp)
+    def __post_init__(self) -> None:
+        """Validate everything together; the only values filled here follow from the others (the global batch
+        without --global-batch-size, the iterations of --train-samples)."""
+        p = self.parallel
+        p.validate()
+        self.model.validate(p.tp)
         self._validate_sequence_parallel()
         self._validate_moe()
         self.precision.validate()
+        if p.zero_hierarchy and self.precision.fp16:
+            raise ConfigError("--zero-hierarchy with --fp16: this mode has no loss scaler; use --bf16 (advised on "
+                              "MI250X)")
         self.optimizer.validate()
-        self.training.validate(self.parallel.dp)
-        validate_schedule(self)  # --train-samples / token / ramp arithmetic and upstream's schedule checks
+        self.training.validate(p.dp)
+        if self.training.global_batch_size is None:
+            self._fill("training", global_batch_size=self.training.micro_batch_size * p.dp)
+        train_iters = validate_schedule(self)  # --train-samples / token / ramp arithmetic, upstream's checks
+        if train_iters is not None:
+            self._fill("training", train_iters=train_iters)
         for part in (self.data, self.checkpoint, self.logging, self.profile, self.runtime):
             part.validate()
-        return self
+
+    def _fill(self, part: str, **values) -> None:
+        object.__setattr__(self, part, dataclasses.replace(getattr(self, part), **values))
 
     def _validate_moe(self) -> None:
         """Mixture of experts on this layout: the experts split evenly over the expert-parallel ranks, which the
         data-parallel group holds; what is not built with MoE is refused, one line each."""
-        moe, p = self.model.moe, self.parallel
+        moe, p, ds = self.model.moe, self.parallel, self.deepspeed
         moe.validate(self.model.num_layers, self.training.micro_batch_size * self.model.seq_length)
-        flag = f"--moe-expert-parallel-size {p.ep}"
         if not moe.enabled:
-            if p.ep > 1:
-                self.notes.append(f"> {flag} has no effect: no layer has experts (--num-experts), as upstream")
             return
-        if p.dp % p.ep:
-            raise ConfigError(f"{flag} does not divide the data-parallel size {p.dp} (world {p.world_size} / TP "
-                              f"{p.tp} / PP {p.pp}): the expert-parallel ranks are data-parallel ranks; use a divisor "
-                              f"of {p.dp}")
+        p.validate_expert_parallel()
         uneven = sorted({n for n in moe.num_experts if n > 1 and n % p.ep})
         if uneven:
-            raise ConfigError(f"--num-experts {uneven[0]} is not divisible by {flag}: every expert-parallel rank holds "
-                              "the same number of experts; use a multiple of it")
+            raise ConfigError(f"--num-experts {uneven[0]} is not divisible by --moe-expert-parallel-size {p.ep}: every "
+                              "expert-parallel rank holds the same number of experts; use a multiple of it")
         self._validate_moe_stages()
-        refused = (
-            (p.sp > 1, f"--ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a sequence, another "
-                       "capacity than one process's; use --sequence-parallel (Megatron's) or SP 1"),
-            (bool(p.zero_hierarchy), "--zero-hierarchy: hierarchical ZeRO reduces every gradient over the whole "
-                                     "data-parallel group, not the experts' own replicas; use --zero-stage 1 or 2"),
-            (p.zero_stage == 3, "--zero-stage 3: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine "
-                                "refuses MoE); use --zero-stage 1 or 2"),
-        )
-        for bad, why in refused:
-            if bad:
-                raise ConfigError(f"mixture of experts (--num-experts) with {why}")
+        moe_with = "mixture of experts (--num-experts) with"
+        if p.sp > 1:
+            raise ConfigError(f"{moe_with} --ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a "
+                              "sequence, another capacity than one process's; use --sequence-parallel (Megatron's) or "
+                              "SP 1")
+        if p.zero_hierarchy:  # the flag, or the JSON's megatron_frontier section
+            what, engine = (f"hierarchical ZeRO ({ds.source}) with --num-experts", "its engine") \
+                if ds.hierarchy_from_json else (f"{moe_with} --zero-hierarchy", "hierarchical ZeRO")
+            raise ConfigError(f"{what}: {engine} reduces every gradient over the whole data-parallel group, not the "
+                              "experts' own replicas; use --zero-stage 1 or 2")
+        if p.zero_stage == 3:  # --zero-stage 3, or the JSON's stage
+            what, fix = (f"{ds.source} sets zero_optimization.stage=3 with --num-experts", "stage") \
+                if ds.zero_stage_from_json else (f"{moe_with} --zero-stage 3", "--zero-stage")
+            raise ConfigError(f"{what}: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine refuses MoE); "
+                              f"use {fix} 1 or 2")
 
     def _validate_moe_stages(self) -> None:
         """With PP > 1 every stage holds a layer with experts (GPTModelPipe's default partition)."""

@@ -10,7 +10,7 @@ from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeConfig:
     distributed_backend: str | None = None
     """None: the accelerator's own (gloo on CPU, nccl = RCCL on ROCm)."""
@@ -67,13 +67,25 @@ class RuntimeConfig:
         return self
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeepSpeedSettings:
-    """The DeepSpeed JSON the engine's config starts from (megatron/engine.py build_ds_config fills and checks it)."""
+    """A user's DeepSpeed JSON as read, and what it decided for the run (megatron/arguments/deepspeed_json.py merges
+    it into the flags' settings before validation; megatron/engine.py build_ds_config fills and checks the rest)."""
 
     config: str | None = None
     """--deepspeed_config PATH; None: the template for --zero-stage and the precision (deepspeed_configs/)."""
-    zero_stage_given: bool = True
-    """--zero-stage was on the command line (otherwise the JSON's stage wins, as upstream)."""
-    clip_grad_given: bool = True
-    """--clip-grad was on the command line (otherwise the JSON's gradient_clipping wins, as upstream)."""
+    user_json: str | None = None
+    """The JSON object read from ``config``, as text (immutable: each build_ds_config parses its own copy)."""
+    zero_stage_from_json: bool = False
+    """The ZeRO stage is the JSON's zero_optimization.stage (no --zero-stage, as upstream)."""
+    hierarchy_from_json: bool = False
+    """Hierarchical ZeRO is on from the JSON's megatron_frontier section, not --zero-hierarchy."""
+    precision_from_json: str | None = None
+    """'fp16' or 'bf16': the JSON enables it and neither --fp16 nor --bf16 is given (upstream's engine trains in it)."""
+    recompute_from_json: tuple[str, ...] = ()
+    """activation_checkpointing keys that are true in the JSON and turned on a recompute option the flags left off."""
+
+    @property
+    def source(self) -> str:
+        """How messages name the JSON the ds_config starts from."""
+        return f"--deepspeed_config {self.config}" if self.config else "template"

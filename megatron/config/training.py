@@ -9,7 +9,7 @@ from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None
@@ -32,14 +32,20 @@ class TrainingConfig:
         return self.global_batch_size // (self.micro_batch_size * dp)
 
     def validate(self, dp: int) -> None:
+        """Raises ConfigError naming the flags; without --global-batch-size, RunConfig fills micro-batch x DP."""
         check_fields(self, {f: "--" + f.replace("_", "-") for f in (
             "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "train_tokens",
             "rampup_batch_size", "eval_interval", "eval_iters", "log_interval", "seed", "peak_tflops")})
-        if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size * dp
-        if self.global_batch_size % (self.micro_batch_size * dp):
-            raise ConfigError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
-                f"{self.micro_batch_size} x data-parallel size {dp} = {self.micro_batch_size * dp}: "
-                f"use a multiple of {self.micro_batch_size * dp}"
-            )
+        if self.global_batch_size is not None:
+            check_global_batch(self.global_batch_size, self.micro_batch_size, dp)
+
+
+def check_global_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None:
+    """Every optimizer step is a whole number of micro-batches on every data-parallel rank (the trainer's and the
+    performance model's rule)."""
+    if global_batch_size % (micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
+            f"{micro_batch_size} x data-parallel size {dp} = {micro_batch_size * dp}: "
+            f"use a multiple of {micro_batch_size * dp}"
+        )

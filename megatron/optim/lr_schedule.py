@@ -174,6 +174,13 @@ def check_resume_schedule(saved: dict | None, run, where: str) -> None:
         raise CheckpointError(mismatch_message(where, mismatches))
 
 
+def check_resume_flags(override: bool, use_checkpoint: bool) -> None:
+    """Where a resumed schedule's shape comes from: one of the two flags at most, as upstream."""
+    if override and use_checkpoint:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both set: "
+                          "pick one (the flags' schedule or the checkpoint's)")
+
+
 class OptimizerParamScheduler:
     """Upstream's scheduler: the learning rate and the weight decay of every parameter group (times the group's
     ``lr_mult`` / ``wd_mult``, as upstream's groups carry them). DeepSpeed calls
@@ -183,9 +190,7 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, shape: ScheduleShape, seq_length: int = 1, override: bool = False,
                  use_checkpoint: bool = False, legacy_samples_per_step: int = 1) -> None:
-        if override and use_checkpoint:
-            raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
-                              "set: pick one")
+        check_resume_flags(override, use_checkpoint)
         self.optimizer = optimizer
         self.max_lr, self.min_lr = float(shape.max_lr), shape.min_lr
         self.lr_warmup_steps, self.lr_decay_steps = shape.warmup_steps, shape.decay_steps

@@ -5,8 +5,10 @@ train iterations, the ramp, and the schedule's lengths."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.errors import ConfigError
-from megatron.optim.lr_schedule import check_shape, schedule_shape
+from megatron.optim.lr_schedule import check_resume_flags, check_shape, schedule_shape
 from megatron.optim.microbatches import RAMP_FLAG, MicroBatchPlan
 
 
@@ -16,7 +18,9 @@ def micro_batch_plan(run) -> MicroBatchPlan:
                           tuple(t.rampup_batch_size) if t.rampup_batch_size is not None else None)
 
 
-def validate_schedule(run) -> None:
+def validate_schedule(run) -> int | None:
+    """Raises ConfigError for a schedule upstream refuses; returns the train iterations --train-samples gives (None
+    for iteration-based training), which RunConfig records."""
     o, t = run.optimizer, run.training
     if t.train_samples is None:  # iteration-based
         if t.train_iters is None:
@@ -37,16 +41,17 @@ def validate_schedule(run) -> None:
                               "--lr-warmup-samples (or --lr-warmup-fraction) for sample-based training")
         if o.lr_warmup_fraction is not None and o.lr_warmup_samples != 0:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-samples are both set: pick one")
-    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both set: "
-                          "pick one (the flags' schedule or the checkpoint's)")
+    check_resume_flags(o.override_opt_param_scheduler, o.use_checkpoint_opt_param_scheduler)
     plan = micro_batch_plan(run)
     if t.rampup_batch_size is not None and run.parallel.zero_hierarchy:
         raise ConfigError(f"{RAMP_FLAG} with --zero-hierarchy: hierarchical ZeRO runs a fixed number of "
                           "micro-batches per step; use --zero-stage 1..3 without --zero-hierarchy for a ramp")
+    train_iters = None
     if t.train_samples is not None:
-        t.train_iters = plan.train_iters(t.train_samples)
-        if t.train_iters <= 0:
+        train_iters = plan.train_iters(t.train_samples)
+        if train_iters <= 0:
             raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
                               f"({plan.global_batch(0)} samples): nothing would be trained")
+        t = dataclasses.replace(t, train_iters=train_iters)
     check_shape(schedule_shape(o, t), t, plan.positions())
+    return train_iters

@@ -178,17 +178,17 @@ def _group_geometry(ranks: tuple[int, ...], me: int) -> tuple[str, int]:
 
 def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0, sp_rank: int = 0) -> int:
     """Megatron's order with Ulysses inside DP: rank = ((stage * DP + dp) * SP + sp) * TP + tp."""
-    return ((stage * layout.dp + dp_rank) * layout.ulysses + sp_rank) * layout.tp + tp_rank
+    return ((stage * layout.dp + dp_rank) * layout.sp + sp_rank) * layout.tp + tp_rank
 
 
 def _shard_rank(layout: Layout, stage: int, d: int) -> int:
     """The ``d``-th rank (TP rank 0) of the SP x DP group of ``stage``, where ZeRO shards and gradients reduce."""
-    return _rank(layout, stage, d // layout.ulysses, 0, d % layout.ulysses)
+    return _rank(layout, stage, d // layout.sp, 0, d % layout.sp)
 
 
 def ulysses_all_to_all_bytes(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     """(QKV, context) bytes this rank sends into each of a layer's two Ulysses all-to-alls, per micro-batch."""
-    u, t = layout.ulysses, layout.tp
+    u, t = layout.sp, layout.tp
     tokens = model.seq_length // u * layout.micro_batch_size
     d, a = model.head_dim, layout.dtype_bytes
     qkv = tokens * (model.num_attention_heads + 2 * model.num_key_value_heads) // t * d * a
@@ -264,8 +264,8 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("tp", "all_reduce", "cross entropy max", m, 4 * s * b, tp_ranks)
             add("tp", "all_reduce", "cross entropy sum", m, 8 * s * b, tp_ranks)
 
-    if layout.ulysses > 1:
-        sp_ranks = [_rank(layout, stage, 0, 0, j) for j in range(layout.ulysses)]
+    if layout.sp > 1:
+        sp_ranks = [_rank(layout, stage, 0, 0, j) for j in range(layout.sp)]
         n_layers = layout.stage_layers(model.num_layers)[stage]
         passes = 2 + (1 if layout.recompute_granularity == "full" else 0)  # forward, backward, replayed forward
         for payload in ulysses_all_to_all_bytes(model, layout):
@@ -277,7 +277,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
 
     stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
-        p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
+        p2p = act / (t if layout.sequence_parallel else 1) / layout.sp
         if stage < layout.pp - 1:
             add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
         if stage > 0:
@@ -303,12 +303,12 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("dp", "all_gather", "weights", 1, w, dp_ranks)
             add("dp", "all_reduce", "expert grads", 1 if z == 1 else m, (em + ev) * a, edp_ranks)
             add("dp", "all_gather", "expert weights", 1, (em + ev) * a, edp_ranks)
-        elif layout.hierarchical_zero or layout.hierarchical_zero_int8:
+        elif layout.zero_hierarchy:
             hierarchical_zero_collectives(add, model, p, a, m, layout.dp, t, lambda d: _rank(layout, stage, d),
-                                          layout.hierarchical_zero_int8)
+                                          layout.zero_hierarchy_int8)
         else:
             add("dp", "all_gather", "weights fwd", m, w, dp_ranks)
-            k = layout.zero_hierarchy or layout.shard_dp
+            k = layout.zero_hpz_partition_size or layout.shard_dp
             released = p - zero3_kept_parameters(p, zero3_reuse_distance)
             add("dp", "all_gather", "weights bwd", m, released * a, dp_ranks[:k])
             add("dp", "reduce_scatter", "grads", m, g, dp_ranks)

@@ -1,66 +1,70 @@
-"""One parallel layout (TP x PP x [Ulysses SP x] DP, batch, ZeRO, recompute) as the performance model sees it.
+"""One parallel layout as the performance model sees it: the run's ParallelConfig (TP x PP x [Ulysses SP x] DP, ZeRO,
+expert parallelism) with the batch, recompute and precision choices its estimates need.
 
-The checks here are the ones the trainer and DeepSpeed enforce, so a layout the planner proposes can be launched.
+The checks are the trainer's own (ParallelConfig's, the global batch's), so a layout the planner proposes can be
+launched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, ParallelConfig, RunConfig
+from megatron.config.model import check_recompute_granularity
+from megatron.config.training import check_global_batch
 from megatron.errors import ConfigError
+from megatron.flag_bounds import check_fields
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-@dataclass
-class Layout:
-    """How a run is spread over GCDs. Rank order is Megatron's: TP innermost, then DP, then PP outermost."""
+@dataclass(frozen=True)
+class Layout(ParallelConfig):
+    """How a run is spread over GCDs (ParallelConfig: rank order TP innermost, then DP, then PP outermost), and what
+    the step time and memory depend on beyond it. Built validated; ``Layout.of`` counts in TP x PP x DP ranks."""
 
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    global_batch_size: int
-    zero_stage: int
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism; a no-op (normalised to False) at TP=1, as Megatron does."""
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """None: micro-batch x DP (one micro-batch per step), as the trainer's default."""
     recompute_granularity: str | None = None
     """None, 'full' (checkpoint every layer) or 'selective' (recompute only the attention core)."""
     flash_attention: bool = True
     """Flash attention keeps no s x s score/softmax/dropout tensors for the backward."""
     dtype: str = "bf16"
     """Weight/activation dtype: 'bf16', 'fp16' (mixed precision with fp32 master weights) or 'fp32'."""
-    zero_hierarchy: int | None = None
+    zero_hpz_partition_size: int | None = None
     """ZeRO++ hpZ secondary partition size (ZeRO-3 only): a second weight shard over this many ranks."""
-    hierarchical_zero: bool = False
-    """Our hierarchical ZeRO-3 (package -> node -> network; megatron/perf/hzero.py), instead of DeepSpeed's."""
-    hierarchical_zero_int8: bool = False
-    """Block-wise int8 on its network stage."""
-    ds_sequence_parallel_size: int = 1
-    """DeepSpeed-Ulysses: ranks sharing one sequence, inside the data-parallel dimension (``dp`` counts the rest).
-    Activations shrink by it; two all-to-alls per layer appear; ZeRO shards over SP x DP."""
-    ep: int = 1
-    """--moe-expert-parallel-size: a model with experts splits each MoE layer's experts over ``ep`` consecutive
-    data-parallel ranks; their replicas (``expert_dp``) reduce and shard the experts' gradients and states."""
 
     def __post_init__(self) -> None:
-        if self.tp == 1:
-            self.sequence_parallel = False
+        super().__post_init__()
         self.validate()
+        if self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.ulysses * self.dp
+    @classmethod
+    def of(cls, tp: int = 1, pp: int = 1, dp: int = 1, **fields) -> Layout:
+        """The layout of TP x PP x DP ranks (x ``ds_sequence_parallel_size`` among ``fields``, default 1)."""
+        sp = fields.get("ds_sequence_parallel_size", 1)
+        return cls(world_size=tp * pp * sp * dp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                   **fields)
 
-    @property
-    def ulysses(self) -> int:
-        return self.ds_sequence_parallel_size
+    @classmethod
+    def from_run(cls, run: RunConfig, **fields) -> Layout:
+        """``run``'s layout (a dense model's expert-parallel size counts as 1: it splits nothing), batch, recompute,
+        attention kernel and precision; ``fields`` add the knobs a run does not hold (e.g. the hpZ size)."""
+        p, m, t = run.parallel, run.model, run.training
+        parallel = {f.name: getattr(p, f.name) for f in dataclasses.fields(ParallelConfig)}
+        parallel["moe_expert_parallel_size"] = p.ep if m.moe.enabled else 1
+        flash = m.attention_backend in ("triton", "hip")
+        return cls(**parallel, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                   recompute_granularity=m.recompute_granularity, flash_attention=flash, dtype=run.precision.name,
+                   **fields)
 
     @property
     def shard_dp(self) -> int:
         """Ranks ZeRO partitions over and gradients are reduced over: SP x DP."""
-        return self.ulysses * self.dp
+        return self.sp * self.dp
 
     @property
     def expert_dp(self) -> int:
@@ -77,57 +81,29 @@ class Layout:
         return DTYPE_BYTES[self.dtype]
 
     def validate(self) -> None:
-        for flag, value in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp),
-                            ("data-parallel size", self.dp), ("--micro-batch-size", self.micro_batch_size),
-                            ("--global-batch-size", self.global_batch_size)):
-            if value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
-        if self.global_batch_size % (self.micro_batch_size * self.dp):
-            raise ConfigError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
-                f"{self.micro_batch_size} x data-parallel size {self.dp}: use a multiple of "
-                f"{self.micro_batch_size * self.dp}"
-            )
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero-stage {self.zero_stage}: choose 0, 1, 2 or 3")
-        if self.zero_stage >= 2 and self.pp > 1:
-            # DeepSpeed's pipeline engine asserts ZeRO stage < 2.
-            raise ConfigError(
-                f"--zero-stage {self.zero_stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's pipeline "
-                "engine supports ZeRO 0/1 only; use --zero-stage 1 or PP=1"
-            )
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(
-                f"--recompute-granularity {self.recompute_granularity!r}: choose 'full' or 'selective'"
-            )
+        super().validate()
+        check_fields(self, {"micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size"})
+        if self.global_batch_size is not None:
+            check_global_batch(self.global_batch_size, self.micro_batch_size, self.dp)
+        if self.ep > 1:  # set only for a model with experts
+            self.validate_expert_parallel()
+        check_recompute_granularity(self.recompute_granularity)
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-        if self.zero_hierarchy is not None:
+        hpz = self.zero_hpz_partition_size
+        if hpz is not None:
             if self.zero_stage != 3:
                 raise ConfigError("--zero-hpz-partition-size needs --zero-stage 3")
-            if self.zero_hierarchy < 1 or self.dp % self.zero_hierarchy:
-                raise ConfigError(
-                    f"--zero-hpz-partition-size {self.zero_hierarchy} must divide the data-parallel size {self.dp}"
-                )
-
-        if self.ep < 1 or self.shard_dp % self.ep:
-            raise ConfigError(f"--moe-expert-parallel-size {self.ep} does not divide the data-parallel size "
-                              f"{self.shard_dp}: use a divisor of it")
-        if self.ulysses < 1:
-            raise ConfigError(f"--ds-sequence-parallel-size must be >= 1, got {self.ulysses}")
-        if self.ulysses > 1 and (self.hierarchical_zero or self.hierarchical_zero_int8):
-            raise ConfigError(f"--ds-sequence-parallel-size {self.ulysses} with --zero-hierarchy: the trainer "
-                              "refuses it (its engine reduces over DP only)")
-        if self.hierarchical_zero or self.hierarchical_zero_int8:
-            if self.zero_stage != 3 or self.zero_hierarchy is not None:
-                raise ConfigError("--zero-hierarchy needs --zero-stage 3 and no --zero-hpz-partition-size")
-            if self.pp > 1:
-                raise ConfigError(f"--zero-hierarchy with --pipeline-model-parallel-size {self.pp}: use PP=1")
+            if self.zero_hierarchy:
+                raise ConfigError("--zero-hpz-partition-size with --zero-hierarchy: both are secondary partitions; "
+                                  "pick one")
+            if hpz < 1 or self.dp % hpz:
+                raise ConfigError(f"--zero-hpz-partition-size {hpz} must divide the data-parallel size {self.dp}")
 
     def validate_for(self, model: ModelConfig) -> None:
         """Checks that need the model shape: TP divides heads and widths, PP has layers to split."""
         model.validate(self.tp)
-        u = self.ulysses
+        u = self.sp
         if u > 1 and ((model.num_key_value_heads // self.tp) % u or (model.num_attention_heads // self.tp) % u
                       or model.seq_length % (u * (self.tp if self.sequence_parallel else 1))):
             raise ConfigError(f"--ds-sequence-parallel-size {u} cannot split this model's heads per TP rank or its "
@@ -149,12 +125,12 @@ class Layout:
             extras.append("SP")
         if self.recompute_granularity:
             extras.append(f"recompute={self.recompute_granularity}")
+        if self.zero_hpz_partition_size:
+            extras.append(f"hpZ={self.zero_hpz_partition_size}")
+        if self.sp > 1:
+            extras.append(f"Ulysses SP={self.sp}")
         if self.zero_hierarchy:
-            extras.append(f"hpZ={self.zero_hierarchy}")
-        if self.ulysses > 1:
-            extras.append(f"Ulysses SP={self.ulysses}")
-        if self.hierarchical_zero or self.hierarchical_zero_int8:
-            extras.append("hierarchical ZeRO" + (" int8" if self.hierarchical_zero_int8 else ""))
+            extras.append("hierarchical ZeRO" + (" int8" if self.zero_hierarchy_int8 else ""))
         if self.ep > 1:
             extras.append(f"EP={self.ep}")
         tail = f" ({', '.join(extras)})" if extras else ""

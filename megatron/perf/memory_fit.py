@@ -25,14 +25,14 @@ def _candidates(model: ModelConfig, layout: Layout) -> list[tuple[str, str, dict
     while mbs >= 1:
         out.append(("mbs", f"--micro-batch-size {mbs}", {"micro_batch_size": mbs}))
         mbs //= 2
-    world, sp = layout.world_size, layout.ulysses
-    for tp in (2, 4, 8):
+    world, sp = layout.world_size, layout.sp
+    for tp in (2, 4, 8):  # the same ranks: DP follows
         if tp > layout.tp and world % (tp * layout.pp * sp) == 0:
-            out.append(("tp", f"--tensor-model-parallel-size {tp}", {"tp": tp, "dp": world // (tp * layout.pp * sp)}))
+            out.append(("tp", f"--tensor-model-parallel-size {tp}", {"tensor_model_parallel_size": tp}))
     pp = layout.pp * 2
     while pp <= min(model.num_layers, world):
         if world % (layout.tp * pp * sp) == 0:
-            out.append(("pp", f"--pipeline-model-parallel-size {pp}", {"pp": pp, "dp": world // (layout.tp * pp * sp)}))
+            out.append(("pp", f"--pipeline-model-parallel-size {pp}", {"pipeline_model_parallel_size": pp}))
         pp *= 2
     return out
 
@@ -58,7 +58,7 @@ def fitting_changes(model: ModelConfig, layout: Layout, capacity: float, overhea
             fits.append((est, flag))
     if not fits:
         for (ka, fa, a), (kb, fb, b) in combinations(cands, 2):
-            if ka == kb or {"dp"} & a.keys() & b.keys():
+            if ka == kb or {ka, kb} == {"tp", "pp"}:  # one change of the data-parallel size at a time
                 continue
             est = _estimate(model, layout, {**a, **b}, overhead)
             if est is not None and est <= capacity:

@@ -54,8 +54,8 @@ CALIBRATION_TARGET = 0.3838
 def calibration_case() -> tuple[ModelConfig, Layout]:
     """The measured ORNL GPT 22B run the efficiency is fitted to."""
 
-    layout = Layout(tp=1, pp=8, dp=2, micro_batch_size=1, global_batch_size=640, zero_stage=1,
-                    recompute_granularity="full", flash_attention=True, dtype="bf16")
+    layout = Layout.of(tp=1, pp=8, dp=2, micro_batch_size=1, global_batch_size=640, zero_stage=1,
+                       recompute_granularity="full", flash_attention=True, dtype="bf16")
     return named_model("gpt-22b"), layout
 
 
@@ -115,7 +115,7 @@ def stage_flops_per_microbatch(model: ModelConfig, layout: Layout, stage: int) -
     if stage == layout.pp - 1:
         per_token += 3 * logits_f
     # DeepSpeed-Ulysses: 1/SP of the tokens outside attention, 1/SP of the heads (whole sequence) inside it.
-    return per_token * model.seq_length * layout.micro_batch_size / layout.tp / layout.ulysses
+    return per_token * model.seq_length * layout.micro_batch_size / layout.tp / layout.sp
 
 
 def _worst_middle_stage(layout: Layout) -> int | None:
@@ -191,7 +191,7 @@ def calibrate_efficiency(target: float = CALIBRATION_TARGET, tol: float = 1e-6) 
 ZERO_MODES: dict[str, dict] = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2},
                                "zero3": {"zero_stage": 3}}
 """Name -> Layout fields of each ZeRO mode compared by ``step_time_by_zero_mode``. Callers add their own modes
-(e.g. ``{"zero3-hpz8": {"zero_stage": 3, "zero_hierarchy": 8}}``) through its ``modes`` argument."""
+(e.g. ``{"zero3-hpz8": {"zero_stage": 3, "zero_hpz_partition_size": 8}}``) through its ``modes`` argument."""
 
 
 def step_time_by_zero_mode(model: ModelConfig, layout: Layout,

@@ -20,15 +20,6 @@ from megatron.perf.memory import GIB, estimate_stage_memory
 from megatron.topology import GCDS_PER_NODE, frontier_placement, group_reports
 
 
-def run_layout(run: RunConfig) -> Layout:
-    p, t, m = run.parallel, run.training, run.model
-    return Layout(tp=p.tp, pp=p.pp, dp=p.dp, micro_batch_size=t.micro_batch_size,
-                  global_batch_size=t.global_batch_size, zero_stage=p.zero_stage,
-                  sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
-                  flash_attention=m.attention_backend in ("triton", "hip"), dtype=run.precision.name,
-                  ds_sequence_parallel_size=p.sp, ep=p.ep if m.moe.enabled else 1)
-
-
 def sequence_parallel_links(run: RunConfig, ranks_per_node: int = GCDS_PER_NODE) -> str:
     """Which Frontier link DeepSpeed-Ulysses' all-to-alls cross (SP groups) and where its gradients reduce (SP x DP),
     for ``ranks_per_node`` consecutive ranks per node under closest binding."""
@@ -50,7 +41,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     ZeRO-sharded states, the fixed framework overhead); a tied output layer counts its copy of the embedding.
     """
     m, p = run.model, run.parallel
-    layout = run_layout(run)
+    layout = Layout.from_run(run)
     parts = partition(m, p.pp, partition_method, p.tp, p.ep if m.moe.enabled else 1)
     per_spec = spec_parameters(m, p.tp, p.ep if m.moe.enabled else 1)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0

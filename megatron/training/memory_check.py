@@ -19,10 +19,10 @@ from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
 from megatron.errors import ConfigError
+from megatron.perf.layout import Layout
 from megatron.perf.memory import FRAMEWORK_OVERHEAD_BYTES, GIB, estimate_memory
 from megatron.perf.memory_fit import fitting_changes
 from megatron.progress import PROGRESS
-from megatron.training.layout_report import run_layout
 
 REFUSE_RATIO = 1.25
 """Estimate / capacity above which the run stops: the model's terms are estimates (the overhead an assumption), so a
@@ -86,7 +86,7 @@ def check_memory(run: RunConfig, pstate: ParallelState, local_ranks: int) -> Non
     when the estimate is clearly over the smallest capacity of the job."""
     on_cpu = get_accelerator().device_name() == "cpu"
     overhead = 0.0 if on_cpu else FRAMEWORK_OVERHEAD_BYTES  # on CPU the process's own use is taken off the capacity
-    layout = run_layout(run)
+    layout = Layout.from_run(run)
     est = estimate_memory(run.model, layout, overhead)
     capacity, what = host_capacity(max(1, local_ranks)) if on_cpu else device_capacity()
     capacity = max(capacity, 1.0)

@@ -71,8 +71,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     topology.check_tp_within_node(ranks.world_size, run.parallel.tp, run.parallel.pp,
                                   ranks_per_node=max(1, ranks.local_world_size),
                                   allow_tp_across_nodes=run.runtime.allow_tp_across_nodes)
-    ds_config = build_ds_config(run, run.deepspeed.config, zero_stage_given=run.deepspeed.zero_stage_given,
-                                clip_grad_given=run.deepspeed.clip_grad_given)
+    ds_config = build_ds_config(run)
     log_notes(ds_config, ranks.rank)  # JSON keys with no effect, unused optimizer/scheduler sections: said once
     check_checkpoint_support(run, ds_config, run.checkpoint)  # engine x --save/--load: refused now, not at a save
     preflight(run)  # data files, --load metadata, --save writable: still no process group

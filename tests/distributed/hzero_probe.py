@@ -19,15 +19,18 @@ MODEL_KW = {"seq_length": 16, "vocab_size": 120}
 
 
 def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: dict | None = None,
-               weights: str = "node", levels: str = "package,node,network", bf16: bool = False):
-    """The RunConfig of one mode (fp32 unless ``bf16``, clipping active, dropout off)."""
+               weights: str = "node", levels: str = "package,node,network", bf16: bool = False,
+               user_config: str | None = None):
+    """The RunConfig of one mode (fp32 unless ``bf16``, clipping active, dropout off), with ``user_config`` as its
+    --deepspeed_config."""
+    from megatron.arguments.deepspeed_json import with_deepspeed_json
     from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
     from megatron.config.sizes import named_model
 
     kw = {"use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
               "make_vocab_size_divisible_by": 64} | MODEL_KW | (model_kw or {})
     ours = mode.startswith("ours")
-    return RunConfig(
+    return RunConfig(**with_deepspeed_json(dict(
         model=named_model("debug", **kw),
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=3,
                                 zero_hierarchy=levels if ours else None, zero_hierarchy_weights=weights,
@@ -38,7 +41,7 @@ def run_config(world: int, tp: int, mode: str, gbs: int, steps: int, model_kw: d
                                   weight_decay_incr_style="linear", start_weight_decay=0.1, end_weight_decay=1.0),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=steps, seed=5),
         precision=PrecisionConfig(bf16=bf16),
-    ).validate()
+    ), user_config))
 
 
 def reference_losses(gbs: int, steps: int, model_kw: dict | None = None) -> list[float]:
@@ -67,9 +70,6 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
     from megatron.training.step import train_step
     from tests.distributed.perf_probe import ObserverCounter
 
-    run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels, bf16)
-    state = ParallelState.build(tp)
-    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
     user_config = None
     if mode == "hpz":  # DeepSpeed's own hpZ through a user JSON, sized by megatron/engine.py from our topology
         with open(template_path(3, "fp32")) as f:
@@ -78,7 +78,10 @@ def _train_mode(mode: str, tp: int, gbs: int, steps: int, ranks_per_node: int, c
         user_config = os.path.join(tempfile.mkdtemp(), "hpz.json")
         with open(user_config, "w") as f:
             json.dump(cfg, f)
-    ds = build_ds_config(run, user_config)
+    run = run_config(dist.get_world_size(), tp, mode, gbs, steps, model_kw, weights, levels, bf16, user_config)
+    state = ParallelState.build(tp)
+    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed)
+    ds = build_ds_config(run)
     assert mode != "hpz" or ds["zero_optimization"]["zero_hpz_partition_size"] == ranks_per_node // tp
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
     if release_layers and not mode.startswith("ours"):

@@ -139,7 +139,7 @@ def build_run(tp: int, zero: int, sp: bool, mbs: int, gbs: int, model_kw: dict, 
                                             sequence_parallel=sp),
                     optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, clip_grad=1.0),
                     training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=10,
-                                            seed=3)).validate()
+                                            seed=3))
     state = ParallelState.build(tp)
     model = GPTModel(run.model, tp=state.tp, sequence_parallel=sp, init_seed=3)
     ds = build_ds_config(run)
@@ -315,7 +315,7 @@ def pipe_probe_worker(configs: list[dict], steps: int = 2) -> list[dict]:
                                                 pipeline_model_parallel_size=cfg["pp"]),
                         optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, clip_grad=1.0),
                         training=TrainingConfig(micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"],
-                                                train_iters=10, seed=3)).validate()
+                                                train_iters=10, seed=3))
         state = ParallelState.build(1, cfg["pp"])
         engine = initialize_engine(GPTModelPipe(run.model, state, init_seed=3), run, state, build_ds_config(run))
         data = pipe_microbatches(microbatches(MockGPTDataset(1000, model_cfg.seq_length, model_cfg.vocab_size,

@@ -20,32 +20,35 @@ ORNL_OPTIMIZER = {"optimizer": {"type": "Adam", "params": {"torch_adam": False, 
                   "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 1}}}
 
 
-def _run_config(zero=0, optimizer="adam", fp16=False, cpu_torch_adam=False, **prec):
+def _run_config(zero=0, optimizer="adam", fp16=False, cpu_torch_adam=False, ds_json=None, tmp=None, **prec):
+    """The run of these settings with ``ds_json`` as its --deepspeed_config (written into ``tmp``), no --zero-stage
+    on the command line."""
+    from megatron.arguments.deepspeed_json import with_deepspeed_json
     from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
     from megatron.config.sizes import named_model
 
     model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                         seq_length=16, vocab_size=120, make_vocab_size_divisible_by=64)
-    return RunConfig(model=model, parallel=ParallelConfig(world_size=1, zero_stage=zero),
-                     optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=1, clip_grad=0.5,
-                                               weight_decay=0.1, optimizer=optimizer,
-                                               cpu_optimizer=cpu_torch_adam, cpu_torch_adam=cpu_torch_adam),
-                     precision=PrecisionConfig(fp16=fp16, **prec),
-                     training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS,
-                                             seed=5)).validate()
-
-
-def _engine(run, ds_json, tmp):
-    from megatron.core.parallel_state import ParallelState
-    from megatron.engine import build_ds_config, initialize_engine
-    from megatron.model.gpt_model import GPTModel
-
     path = None
     if ds_json is not None:
         path = os.path.join(tmp, "ds.json")
         with open(path, "w") as f:
             json.dump(ds_json, f)
-    cfg = build_ds_config(run, path, zero_stage_given=False)
+    fields = dict(model=model, parallel=ParallelConfig(world_size=1, zero_stage=zero),
+                  optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=1, clip_grad=0.5,
+                                            weight_decay=0.1, optimizer=optimizer,
+                                            cpu_optimizer=cpu_torch_adam, cpu_torch_adam=cpu_torch_adam),
+                  precision=PrecisionConfig(fp16=fp16, **prec),
+                  training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5))
+    return RunConfig(**with_deepspeed_json(fields, path, zero_stage_given=False))
+
+
+def _engine(run):
+    from megatron.core.parallel_state import ParallelState
+    from megatron.engine import build_ds_config, initialize_engine
+    from megatron.model.gpt_model import GPTModel
+
+    cfg = build_ds_config(run)
     state = ParallelState.build(1)
     engine = initialize_engine(GPTModel(run.model, tp=state.tp, init_seed=run.training.seed), run, state, cfg)
     return engine, cfg
@@ -68,28 +71,29 @@ def _worker(tmp, cpu_adam):
 
     initialize_distributed("gloo")
     out = {}
-    plain, _ = _engine(_run_config(), {"zero_optimization": {"stage": 0}}, tmp)
+    plain, _ = _engine(_run_config(ds_json={"zero_optimization": {"stage": 0}}, tmp=tmp))
     out["plain"] = _losses(plain)
-    with_sections, cfg = _engine(_run_config(), {"zero_optimization": {"stage": 0}, **ORNL_OPTIMIZER}, tmp)
+    with_sections, cfg = _engine(_run_config(ds_json={"zero_optimization": {"stage": 0}, **ORNL_OPTIMIZER},
+                                                  tmp=tmp))
     out["with_sections"] = _losses(with_sections)
     out["notes"] = cfg[NOTES_KEY]
-    out["sgd"] = _losses(_engine(_run_config(optimizer="sgd"), None, tmp)[0])
+    out["sgd"] = _losses(_engine(_run_config(optimizer="sgd"))[0])
     offload_json = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
-    engine = _engine(_run_config(zero=2, cpu_torch_adam=True), offload_json, tmp)[0]  # builds nothing
+    engine = _engine(_run_config(zero=2, cpu_torch_adam=True, ds_json=offload_json, tmp=tmp))[0]  # builds nothing
     out["offload_torch"] = (_losses(engine), type(engine.basic_optimizer).__name__)
     if cpu_adam:
-        engine = _engine(_run_config(zero=2), offload_json, tmp)[0]
+        engine = _engine(_run_config(zero=2, ds_json=offload_json, tmp=tmp))[0]
         out["offload_cpu_adam"] = (_losses(engine), type(engine.basic_optimizer).__name__)
 
     type(get_accelerator()).is_fp16_supported = lambda self: True  # the CPU accelerator says no; torch can
     rebase = {"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500,
                                                           "hysteresis": 2, "min_loss_scale": 1,
                                                           "initial_scale_power": 11}}
-    engine, _ = _engine(_run_config(zero=1, fp16=True), rebase, tmp)
+    engine, _ = _engine(_run_config(zero=1, fp16=True, ds_json=rebase, tmp=tmp))
     s = engine.optimizer.loss_scaler
     out["dynamic"] = (s.dynamic, s.cur_scale, s.scale_window, s.min_scale, s.delayed_shift)
-    engine, _ = _engine(_run_config(zero=1, fp16=True, loss_scale=128.0), {"zero_optimization": {"stage": 1},
-                                                                            "fp16": {"enabled": True}}, tmp)
+    engine, _ = _engine(_run_config(zero=1, fp16=True, loss_scale=128.0, tmp=tmp,
+                                    ds_json={"zero_optimization": {"stage": 1}, "fp16": {"enabled": True}}))
     s = engine.optimizer.loss_scaler
     out["static"] = (s.dynamic, s.cur_scale)
     out["fp16_losses"] = _losses(engine)

@@ -56,9 +56,9 @@ def _cfg(tp: int, zero: int, sp: bool = False, recompute: str | None = None, dp:
 
 
 def _layout(cfg: dict, world: int) -> Layout:
-    return Layout(tp=cfg["tp"], pp=1, dp=world // cfg["tp"], micro_batch_size=cfg["mbs"],
-                  global_batch_size=cfg["gbs"], zero_stage=cfg["zero"], sequence_parallel=cfg["sp"],
-                  recompute_granularity=cfg["recompute"], flash_attention=True, dtype="fp32")
+    return Layout.of(tp=cfg["tp"], pp=1, dp=world // cfg["tp"], micro_batch_size=cfg["mbs"],
+                     global_batch_size=cfg["gbs"], zero_stage=cfg["zero"], sequence_parallel=cfg["sp"],
+                     recompute_granularity=cfg["recompute"], flash_attention=True, dtype="fp32")
 
 
 def _predicted_comm(layout: Layout, steps: int) -> dict[str, dict[str, float]]:
@@ -132,8 +132,8 @@ def test_pp2_point_to_point_bytes_exact():
             cfg, steps, stage = res["cfg"], res["steps"], res["stage"]
             model = named_model("debug", use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                 make_vocab_size_divisible_by=64, **cfg["model_kw"])
-            layout = Layout(tp=1, pp=2, dp=1, micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"],
-                            zero_stage=cfg["zero"], flash_attention=True, dtype="fp32")
+            layout = Layout.of(tp=1, pp=2, dp=1, micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"],
+                               zero_stage=cfg["zero"], flash_attention=True, dtype="fp32")
             mine, other = (estimate_comm(model, layout, st).collectives for st in (stage, 1 - stage))
             want = {"send": sum(c.payload_per_step for c in mine if c.group == "pp") * steps,
                     "recv": sum(c.payload_per_step for c in other if c.group == "pp") * steps,

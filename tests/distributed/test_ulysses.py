@@ -84,7 +84,7 @@ def _run_config(world, sp, zero, recompute=None, tp=1):
         # clip 0.5 is active: a gradient norm off by the SP factor would change the losses
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=5),
-    ).validate()
+    )
 
 
 def _train(sp, zero, recompute=None, tp=1):
@@ -177,7 +177,7 @@ def _pipe_run_config(variant, world, pp, sp, zero):
                                 zero_stage=zero),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=PIPE_STEPS, seed=5),
-    ).validate()
+    )
 
 
 def _pipe_worker(runs):

@@ -27,9 +27,9 @@ def test_planner_all_to_all_bytes_equal_a_gloo_run(measured):
     model = _model_cfg("debug-llama")
     for i, cfg in enumerate(CONFIGS):
         dp = 4 // (cfg["tp"] * cfg["sp"])
-        layout = Layout(tp=cfg["tp"], pp=1, dp=dp, micro_batch_size=MBS, global_batch_size=2 * MBS * dp,
-                        zero_stage=1, ds_sequence_parallel_size=cfg["sp"], dtype="fp32",
-                        recompute_granularity=cfg.get("recompute"))
+        layout = Layout.of(tp=cfg["tp"], pp=1, dp=dp, micro_batch_size=MBS, global_batch_size=2 * MBS * dp,
+                           zero_stage=1, ds_sequence_parallel_size=cfg["sp"], dtype="fp32",
+                           recompute_granularity=cfg.get("recompute"))
         predicted = STEPS * sum(c.payload_per_step for c in estimate_comm(model, layout).collectives if c.group == "sp")
         for rank, (sent, _) in enumerate(measured):
             assert sent[i] == predicted, f"rank {rank} {cfg}: measured {sent[i]} B, planner {predicted} B"

@@ -12,6 +12,8 @@ import torch
 def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     """For each config ({"tp", "sp", "recompute"}): bytes this rank sends into all-to-alls over its SP group
     during ``steps`` optimizer steps after a warm-up step, on the tiny Llama of tests/distributed/test_ulysses.py."""
+    import dataclasses
+
     import deepspeed.comm as dist
 
     from megatron.core import comm
@@ -29,8 +31,8 @@ def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     out = []
     for cfg in configs:
         run = _run_config(dist.get_world_size(), cfg["sp"], 1, cfg.get("recompute"), cfg["tp"])
-        run.training.global_batch_size = 2 * MBS * run.parallel.dp  # 2 micro-batches per step
-        run.validate()
+        run = dataclasses.replace(run, training=dataclasses.replace(  # 2 micro-batches per step
+            run.training, global_batch_size=2 * MBS * run.parallel.dp))
         state = ParallelState.build(cfg["tp"], sp_size=cfg["sp"])
         model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, sp=state.sp)
         engine = initialize_engine(model, run, state, build_ds_config(run))

@@ -34,7 +34,7 @@ LINE = (" iteration        4/       6 | consumed samples:           32 | consume
 def test_parse_log_and_the_logs_formula():
     assert tune_layout.parse_log("noise\n" + LINE + "\n") == [(4, 40.7, 0.01)]
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512)
-    lay = Layout(tp=1, pp=1, dp=2, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="fp32")
+    lay = Layout.of(tp=1, pp=1, dp=2, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="fp32")
     want = iteration_flops(m, 8, m.padded_vocab_size(1)).total / 0.0407 / 2 / 1e12
     assert tune_layout.measured_tflops(m, lay, 40.7) == pytest.approx(want, rel=1e-12)
 
@@ -65,8 +65,8 @@ def test_tuner_runs_three_layouts_and_ranks_by_measurement(tmp_path):
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
     for t in trials:
         lay = re.match(r"TP=1 PP=1 DP=1 MBS=(\d) ZeRO=(\d)( \(recompute=full\))?", t["layout"])
-        layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=int(lay[1]), global_batch_size=8, zero_stage=int(lay[2]),
-                        recompute_granularity="full" if lay[3] else None, dtype="fp32")
+        layout = Layout.of(tp=1, pp=1, dp=1, micro_batch_size=int(lay[1]), global_batch_size=8, zero_stage=int(lay[2]),
+                           recompute_granularity="full" if lay[3] else None, dtype="fp32")
         # The full-precision figure is the log's own formula on the logged time, and rounds to the log's figure.
         assert t["measured_tflops"] == pytest.approx(tune_layout.measured_tflops(m, layout, t["iteration_ms"]))
         # (the log rounds each line to 0.01; the mean of times vs the mean of rates adds a little more)

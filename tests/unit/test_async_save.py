@@ -202,11 +202,15 @@ def test_flag_and_deepspeed_writer_keys(tmp_path):
         run_config_from_args(parse_args(base + ["--async-save"]), 1, 200)
     run = run_config_from_args(parse_args(base + ["--async-save", "--save", str(tmp_path)]), 1, 200)
     assert run.checkpoint.async_save
+    path = tmp_path / "ds.json"
+
+    def run_with(cfg):  # the same flags with a --deepspeed_config
+        path.write_text(_json.dumps(cfg))
+        return run_config_from_args(parse_args(base + ["--async-save", "--save", str(tmp_path), "--deepspeed_config",
+                                                       str(path)]), 1, 200)
+
     for cfg, key in (({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, "checkpoint.writer"),
                      ({"datastates_ckpt": {"enabled": True}}, "datastates_ckpt")):
-        path = tmp_path / "ds.json"
-        path.write_text(_json.dumps(cfg))
         with pytest.raises(ConfigError, match=f"{key}: .*pass --async-save"):
-            build_ds_config(run, str(path))
-    path.write_text(_json.dumps({"checkpoint": {"writer": None}}))
-    assert "writer" not in build_ds_config(run, str(path))["checkpoint"]
+            run_with(cfg)
+    assert "writer" not in build_ds_config(run_with({"checkpoint": {"writer": None}}))["checkpoint"]

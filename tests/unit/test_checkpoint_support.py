@@ -49,7 +49,7 @@ def _run(engine: str, flag: str, tmp_path):
         argv += ["--deepspeed_config", str(path)]
     args = parse_args(argv)
     run = run_config_from_args(args, world, 128)
-    return run, build_ds_config(run, args.deepspeed_config, zero_stage_given=True), run.checkpoint
+    return run, build_ds_config(run), run.checkpoint
 
 
 @pytest.mark.parametrize("flag", sorted(FLAGS))

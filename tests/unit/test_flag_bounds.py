@@ -23,7 +23,7 @@ def _up_to_process_group(argv: list[str]) -> None:
 
     args = parse_args(argv)
     run = run_config_from_args(args, 1, args.vocab_size or 200)
-    ds_config = build_ds_config(run, args.deepspeed_config, zero_stage_given=args.zero_stage is not None)
+    ds_config = build_ds_config(run)
     check_checkpoint_support(run, ds_config, run.checkpoint)
     preflight(run)
     check_layout(ds_config)

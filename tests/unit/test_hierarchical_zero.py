@@ -11,6 +11,7 @@ from megatron.errors import ConfigError
 from megatron.topology import frontier_placement
 
 LEVELS = ("package", "node", "network")
+LEVELS_TEXT = ",".join(LEVELS)  # --zero-hierarchy's form
 
 
 def test_groups_on_2_nodes_x_2_packages_x_2_gcds():
@@ -62,12 +63,12 @@ def test_config_section_checks():
 
 
 def _run(**parallel):
+    import dataclasses
+
     from tests.distributed.hzero_probe import run_config
 
     run = run_config(8, 1, "ours", 8, 10)
-    for k, v in parallel.items():
-        setattr(run.parallel, k, v)
-    return run
+    return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **parallel))
 
 
 def test_cli_flags_fill_the_ds_config_section():
@@ -85,13 +86,10 @@ def test_cli_flags_fill_the_ds_config_section():
 
 
 def test_pipeline_and_other_stages_are_refused():
-    from megatron.engine import build_ds_config
-
-    run = _run(pipeline_model_parallel_size=2)
     with pytest.raises(ConfigError, match="--zero-hierarchy .*--pipeline-model-parallel-size 2"):
-        build_ds_config(run)
+        _run(pipeline_model_parallel_size=2)
     with pytest.raises(ConfigError, match="--zero-stage 3"):
-        build_ds_config(_run(zero_stage=2))
+        _run(zero_stage=2)
 
 
 def test_tier_accounting_group_and_ring():
@@ -112,16 +110,16 @@ def test_planner_20b_on_48_nodes_orders_the_modes():
     from megatron.perf.step_time import estimate_step_time
 
     model, times, net = named_model("gpt-20b"), {}, {}
-    for mode, kw in {"zero3": {}, "hpz": {"zero_hierarchy": 8}, "ours": {"hierarchical_zero": True},
-                     "ours-int8": {"hierarchical_zero_int8": True}}.items():
-        layout = Layout(tp=1, pp=1, dp=384, micro_batch_size=1, global_batch_size=1536, zero_stage=3,
-                        recompute_granularity="full", **kw)
+    for mode, kw in {"zero3": {}, "hpz": {"zero_hpz_partition_size": 8}, "ours": {"zero_hierarchy": LEVELS_TEXT},
+                     "ours-int8": {"zero_hierarchy": LEVELS_TEXT, "zero_hierarchy_int8": True}}.items():
+        layout = Layout.of(tp=1, pp=1, dp=384, micro_batch_size=1, global_batch_size=1536, zero_stage=3,
+                           recompute_granularity="full", **kw)
         times[mode] = estimate_step_time(model, layout).total
         net[mode] = estimate_comm(model, layout).wire_bytes_by_tier()["network"]
     assert times["ours-int8"] < times["ours"] < times["hpz"] < times["zero3"]
     assert net["ours"] <= net["zero3"] / 4
     with pytest.raises(ConfigError, match="--zero-hierarchy"):
-        Layout(tp=1, pp=2, dp=4, micro_batch_size=1, global_batch_size=8, zero_stage=1, hierarchical_zero=True)
+        Layout.of(tp=1, pp=2, dp=4, micro_batch_size=1, global_batch_size=8, zero_stage=1, zero_hierarchy=LEVELS_TEXT)
 
 
 def test_deepspeed_hpz_sized_from_the_topology():

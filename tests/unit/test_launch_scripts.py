@@ -197,8 +197,8 @@ def test_training_script_final_srun(fake_slurm, tmp_path, script):
     assert (tmp_path / "miopen").is_dir()
 
     # The dry run printed before srun agrees with the memory model, and with the figure in the script's header.
-    layout = Layout(tp=tp, pp=pp, dp=nodes * 8 // (tp * pp), micro_batch_size=mbs, global_batch_size=gbs,
-                    zero_stage=1, recompute_granularity=recompute, flash_attention=True, dtype="bf16")
+    layout = Layout.of(tp=tp, pp=pp, dp=nodes * 8 // (tp * pp), micro_batch_size=mbs, global_batch_size=gbs,
+                       zero_stage=1, recompute_granularity=recompute, flash_attention=True, dtype="bf16")
     est = estimate_memory(named_model("gpt-22b", num_layers=layers, hidden_size=hidden, num_attention_heads=heads),
                           layout)
     assert est.fits()
@@ -276,8 +276,8 @@ def test_tune_layout_runs_only_feasible_layouts_and_ranks_them(fake_slurm, tmp_p
             for mbs in choices["mbs"]:
                 if 32 % (tp * pp):
                     continue
-                layout = Layout(tp=tp, pp=pp, dp=32 // (tp * pp), micro_batch_size=mbs, global_batch_size=128,
-                                zero_stage=1, flash_attention=True, dtype="bf16")
+                layout = Layout.of(tp=tp, pp=pp, dp=32 // (tp * pp), micro_batch_size=mbs, global_batch_size=128,
+                                   zero_stage=1, flash_attention=True, dtype="bf16")
                 if estimate_memory(model, layout).fits():
                     feasible.append((tp, pp, mbs))
     assert 0 < len(feasible) < 12  # the test must exercise both skipping and running

@@ -6,7 +6,6 @@ megatron/training/pretrain.py's does for the schedule (consumed tokens before th
 from the consumed samples, DeepSpeed's ``step(increment=...)``).
 """
 
-import dataclasses
 import itertools
 import json
 import os
@@ -39,12 +38,12 @@ def _scheduler(run):
     return OptimizerParamScheduler.from_run(opt, run)
 
 
-def _train(run, sched, start_iter: int = 0, consumed: int = 0) -> dict:
-    """Per iteration after ``start_iter``: the lr applied, the lr printed, the global batch, each group's
-    weight decay during the update."""
+def _train(run, sched, start_iter: int = 0, consumed: int = 0, stop_iter: int | None = None) -> dict:
+    """Per iteration after ``start_iter`` (up to ``stop_iter``, default the run's end): the lr applied, the lr
+    printed, the global batch, each group's weight decay during the update."""
     t, seq, plan = run.training, run.model.seq_length, micro_batch_plan(run)
     out = {"applied": [], "printed": [], "global_batch": [], "applied_weight_decay": []}
-    for _ in range(start_iter, t.train_iters):
+    for _ in range(start_iter, t.train_iters if stop_iter is None else stop_iter):
         if t.train_tokens is not None and consumed * seq >= t.train_tokens:
             break
         sched.consumed_tokens = consumed * seq
@@ -93,7 +92,7 @@ def test_resumed_run_matches_upstream(name, source):
     consumed = case["states"][k - 1]["consumed_samples"]
     if source == "ours":
         first = _scheduler(run)
-        _train(dataclasses.replace(run, training=dataclasses.replace(run.training, train_iters=k)), first)
+        _train(run, first, stop_iter=k)
         state = json.loads(json.dumps(first.state_dict()))  # as megatron_meta.json holds it
     else:
         state = case["states"][k - 1]["scheduler"]

@@ -28,7 +28,7 @@ def test_moe_validation_is_the_lm_loss_in_upstreams_line(capsys):
     run = RunConfig(model=model_cfg, parallel=ParallelConfig(world_size=1),
                     optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4),
                     training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=4, eval_iters=2,
-                                            seed=3)).validate()
+                                            seed=3))
     model = GPTModel(run.model, tp=GroupInfo([0], 0, None), init_seed=3)
     data = microbatches(MockGPTDataset(100, 16, 120, seed=4), 0, 2, 0, 1, "cpu")
     batches = [next(data) for _ in range(4)]  # 2 evaluation iterations x 2 micro-batches

@@ -9,6 +9,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from megatron.arguments.deepspeed_json import with_deepspeed_json
 from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
 from megatron.config.moe import MoEConfig
 from megatron.core.parallel_state import GroupInfo, ParallelState, layout_groups, single_process_state
@@ -26,12 +27,12 @@ def _state(world, tp, pp, rank=0) -> ParallelState:
     return ParallelState(world, rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups)
 
 
-def _run(world=8, tp=2, pp=2, zero=1, layers=4, **model):
-    return RunConfig(model=named_model("debug", num_layers=layers, **model),
-                     parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp, zero_stage=zero),
-                     optimizer=OptimizerConfig(lr=1e-3),
-                     training=TrainingConfig(micro_batch_size=1, global_batch_size=8)).validate()
+def _run(world=8, tp=2, pp=2, zero=1, layers=4, ds=None, **model):
+    fields = dict(model=named_model("debug", num_layers=layers, **model),
+                  parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp,
+                                          pipeline_model_parallel_size=pp, zero_stage=zero),
+                  optimizer=OptimizerConfig(lr=1e-3), training=TrainingConfig(micro_batch_size=1, global_batch_size=8))
+    return RunConfig(**with_deepspeed_json(fields, ds))
 
 
 def test_even_split_by_transformer_layers():
@@ -74,7 +75,7 @@ def test_deepspeed_grid_rank_order_matches_parallel_state(tp, pp, dp):
 
 def test_zero2_with_pipeline_is_refused_with_the_alternatives():
     with pytest.raises(ConfigError, match="--zero-stage 1.*--no-pipeline-parallel"):
-        build_ds_config(_run(zero=2))
+        _run(zero=2)
     assert build_ds_config(_run(pp=1, zero=2))["zero_optimization"]["stage"] == 2
 
 
@@ -82,15 +83,14 @@ def test_deepspeed_activation_checkpointing_keys(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"pipeline": {"activation_checkpoint_interval": 1},
                                 "activation_checkpointing": {"number_checkpoints": 2}}))
-    run = _run()
-    cfg = build_ds_config(run, str(path))
+    run = _run(ds=str(path))
+    cfg = build_ds_config(run)
     # number_checkpoints only sizes DeepSpeed's contiguous buffer: every layer is still recomputed.
     assert run.model.recompute_granularity == "full" and run.model.recompute_num_layers is None
     assert any("number_checkpoints accepted, no effect" in n for n in cfg["megatron_notes"])
     assert cfg["pipeline"]["activation_checkpoint_interval"] == 0  # our layers checkpoint themselves
     path.write_text(json.dumps({"activation_checkpointing": {"partition_activations": True}}))
-    run = _run()
-    build_ds_config(run, str(path))
+    run = _run(ds=str(path))
     assert run.model.recompute_partition  # honoured by our recompute (tests/distributed/test_recompute_partition)
 
 
@@ -144,4 +144,4 @@ def test_moe_switches_pipe_partitioning_off_and_refuses_it_in_a_json(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"pipeline": {"grad_partitioned": True}}))
     with pytest.raises(ConfigError, match="grad_partitioned=true, which cannot send the MoE loss"):
-        build_ds_config(_run(moe=moe), str(path))
+        build_ds_config(_run(moe=moe, ds=str(path)))

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from megatron.arguments.deepspeed_json import with_deepspeed_json
 from megatron.config import OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig, TrainingConfig
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
@@ -65,10 +66,11 @@ def test_legacy_iteration_state_is_read():
     assert b.num_steps == 48 and b.current_lr == a.current_lr
 
 
-def _run(**train):
-    return RunConfig(model=named_model("debug"), parallel=ParallelConfig(world_size=4, zero_stage=2),
-                     optimizer=OptimizerConfig(clip_grad=0.0), precision=PrecisionConfig(fp16=True),
-                     training=TrainingConfig(micro_batch_size=2, global_batch_size=32, **train)).validate()
+def _run(ds=None, **train):
+    fields = dict(model=named_model("debug"), parallel=ParallelConfig(world_size=4, zero_stage=2),
+                  optimizer=OptimizerConfig(clip_grad=0.0), precision=PrecisionConfig(fp16=True),
+                  training=TrainingConfig(micro_batch_size=2, global_batch_size=32, **train))
+    return RunConfig(**with_deepspeed_json(fields, ds))
 
 
 @pytest.fixture
@@ -101,13 +103,13 @@ def test_ds_config_precision_disagreement(tmp_path, fp16_device):
     f = tmp_path / "ds.json"
     f.write_text('{"bf16": {"enabled": true}}')
     with pytest.raises(ConfigError, match="bf16.enabled=true but --bf16 is not set"):
-        build_ds_config(_run(), str(f))
+        build_ds_config(_run(str(f)))
 
 
 def test_ds_config_accepts_optimizer_section_unused(tmp_path, fp16_device):
     f = tmp_path / "ds.json"
     f.write_text('{"optimizer": {"type": "Adam"}}')
-    cfg = build_ds_config(_run(), str(f))  # as upstream: not used, said in one log line
+    cfg = build_ds_config(_run(str(f)))  # as upstream: not used, said in one log line
     assert "optimizer" not in cfg and any("'optimizer' section not used" in n for n in cfg["megatron_notes"])
 
 
@@ -129,10 +131,11 @@ def test_rampup_with_zero_offload_is_refused(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
 
     def run(**ramp):
-        return RunConfig(model=named_model("debug"), parallel=ParallelConfig(world_size=2, zero_stage=2),
-                         training=TrainingConfig(micro_batch_size=1, global_batch_size=8, train_iters=None,
-                                                 train_samples=64, **ramp)).validate()
+        fields = dict(model=named_model("debug"), parallel=ParallelConfig(world_size=2, zero_stage=2),
+                      training=TrainingConfig(micro_batch_size=1, global_batch_size=8, train_iters=None,
+                                              train_samples=64, **ramp))
+        return RunConfig(**with_deepspeed_json(fields, str(path)))
 
     with pytest.raises(ConfigError, match="rampup-batch-size .*offload_optimizer"):
-        build_ds_config(run(rampup_batch_size=(4, 2, 16)), str(path))
-    assert build_ds_config(run(), str(path))["train_batch_size"] == 8
+        build_ds_config(run(rampup_batch_size=(4, 2, 16)))
+    assert build_ds_config(run())["train_batch_size"] == 8

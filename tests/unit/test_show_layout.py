@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.arguments.dry_run import configure_dry_run
 from megatron.config import ModelConfig
 from megatron.errors import ConfigError, run_cli
 from megatron.config.sizes import named_model
@@ -35,9 +36,9 @@ def run(capsys, argv):
 def test_1t_dry_run_prints_terms_under_64_gb(capsys):
     rc, out, _ = run(capsys, ONE_T)
     assert rc == 0
-    want = estimate_memory(named_model("gpt-1t"), Layout(tp=8, pp=64, dp=2, micro_batch_size=1,
-                                                          global_batch_size=1024, zero_stage=1,
-                                                          recompute_granularity="full", flash_attention=True))
+    want = estimate_memory(named_model("gpt-1t"), Layout.of(tp=8, pp=64, dp=2, micro_batch_size=1,
+                                                             global_batch_size=1024, zero_stage=1,
+                                                             recompute_granularity="full", flash_attention=True))
     terms = {k: float(v) for k, v in TERM_LINE.findall(out)}
     assert terms == pytest.approx({k: v / GIB for k, v in want.terms.items() if v}, abs=0.006)
     assert {"weights", "gradients", "optimizer_states", "activations", "framework_overhead"} <= set(terms)
@@ -110,9 +111,10 @@ def test_model_size_overrides(capsys):
      "--tensor-model-parallel-size 16 puts 2 of 2 TP groups across nodes"),
     (["--nodes", "1", "--model-size", "gpt-22b", "--tensor-model-parallel-size", "3"], "divisible"),
     (["--model-size", "gpt-22b"], "--world-size N"),
-    (["--nodes", "1", "--num-layers", "2"], "--model-size NAME or --hidden-size"),
+    (["--nodes", "1", "--num-layers", "2"], "--hidden-size, --num-attention-heads, --seq-length not given: pass the "
+                                            "model shape or --model-size NAME"),
     (["--nodes", "2", "--model-size", "gpt-22b", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"],
-     "--zero-stage 3"),
+     "ZeRO-3 with --pipeline-model-parallel-size 2"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     rc, _, err = run(capsys, argv)
@@ -160,9 +162,10 @@ def test_moe_dry_run_shows_ep_groups_and_warns_when_they_leave_the_node(capsys):
     assert "EDP: 8 groups of 2; tiers: 8 network; e.g. [0, 8]" in out
     assert " 6:t0p0d3e0.3 " in out and "10:t0p0d5e1.1" in out  # rank 6: EP group 0, EP rank 3; rank 10: group 1
     assert "2 MoE layers of 16 experts (top-2, EP=4)" in out and "WARNING" not in out
-    model = show_layout.model_from_args(show_layout.build_parser().parse_args(MOE))
-    want = estimate_memory(model, Layout(tp=2, pp=1, dp=8, micro_batch_size=1, global_batch_size=8, zero_stage=2,
-                                         dtype="bf16", flash_attention=False, ep=4))
+    model = configure_dry_run(["--nodes", "2", "--tensor-model-parallel-size", "2", "--moe-expert-parallel-size", "4",
+                               *MOE], 8).run.model
+    want = estimate_memory(model, Layout.of(tp=2, pp=1, dp=8, micro_batch_size=1, global_batch_size=8, zero_stage=2,
+                                            dtype="bf16", flash_attention=False, moe_expert_parallel_size=4))
     assert float(TERM_LINE.search(out).group(2)) == pytest.approx(want.terms["weights"] / GIB, abs=0.006)
     # EP=8 with TP=2 spans 16 ranks: every EP group crosses the node boundary, in one line.
     rc, out, _ = run(capsys, ["--nodes", "2", "--tensor-model-parallel-size", "2", "--moe-expert-parallel-size", "8",

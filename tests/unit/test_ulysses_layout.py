@@ -36,7 +36,7 @@ def _run(world, sp, **model):
 
     return RunConfig(model=named_model("debug-llama", **model),
                      parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp),
-                     training=TrainingConfig()).validate()
+                     training=TrainingConfig())
 
 
 @pytest.mark.parametrize("world,sp,model,needle", [
@@ -59,12 +59,12 @@ def test_sp_with_pipeline_validates_and_sp_divides_the_pipeline_sends():
     from megatron.perf.layout import Layout
 
     run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
-        world_size=8, pipeline_model_parallel_size=2, ds_sequence_parallel_size=2)).validate()
+        world_size=8, pipeline_model_parallel_size=2, ds_sequence_parallel_size=2))
     assert (run.parallel.dp, run.parallel.sp) == (2, 2)
 
     def sends(u):
-        layout = Layout(tp=1, pp=2, dp=2, micro_batch_size=1, global_batch_size=4, zero_stage=1,
-                        ds_sequence_parallel_size=u)
+        layout = Layout.of(tp=1, pp=2, dp=2, micro_batch_size=1, global_batch_size=4, zero_stage=1,
+                           ds_sequence_parallel_size=u)
         return sum(c.payload_per_step for c in estimate_comm(run.model, layout).collectives if c.group == "pp")
 
     assert sends(2) == sends(1) / 2
@@ -82,14 +82,12 @@ def test_dp_excludes_sp_and_the_flag_reaches_the_config():
 
 def test_hierarchical_zero_with_sp_is_refused_in_one_line():
     from megatron.config import ParallelConfig, RunConfig, TrainingConfig
-    from megatron.engine import build_ds_config
     from megatron.config.sizes import named_model
 
-    run = RunConfig(model=named_model("debug"), parallel=ParallelConfig(
-        world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
-        training=TrainingConfig()).validate()
     with pytest.raises(ConfigError, match="hierarchical ZeRO") as e:
-        build_ds_config(run)
+        RunConfig(model=named_model("debug"), parallel=ParallelConfig(
+            world_size=8, ds_sequence_parallel_size=2, zero_stage=3, zero_hierarchy="node,network"),
+            training=TrainingConfig())
     assert "\n" not in str(e.value)
 
 
@@ -102,14 +100,14 @@ def test_memory_model_and_planner_have_the_sp_dimension():
     model = named_model("llama-7b", seq_length=32768)
 
     def acts(u):
-        layout = Layout(tp=1, pp=1, dp=8 // u, micro_batch_size=1, global_batch_size=8 // u, zero_stage=3,
-                        ds_sequence_parallel_size=u)
+        layout = Layout.of(tp=1, pp=1, dp=8 // u, micro_batch_size=1, global_batch_size=8 // u, zero_stage=3,
+                           ds_sequence_parallel_size=u)
         t = estimate_memory(model, layout).terms
         return t["activations"] + t["embedding_activations"] + t["logits"]
 
     assert acts(2) == pytest.approx(acts(1) / 2) and acts(8) == pytest.approx(acts(1) / 8)
     layouts = enumerate_layouts(model, 16, 16, SearchSpace(ds_sequence_parallel_size=(1, 2, 4, 8, 16)))
-    sizes = {(lay.tp, lay.ulysses) for lay in layouts}
+    sizes = {(lay.tp, lay.sp) for lay in layouts}
     assert (1, 16) in sizes and (2, 8) in sizes and (4, 8) not in sizes  # TP 4 x SP 8 would need 32 GCDs
-    assert any(lay.pp > 1 for lay in layouts if lay.ulysses > 1)
+    assert any(lay.pp > 1 for lay in layouts if lay.sp > 1)
     assert all(lay.world_size == 16 for lay in layouts)

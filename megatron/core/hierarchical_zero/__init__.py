@@ -13,7 +13,6 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core.hierarchical_zero.config import (
     SECTION,
     HierarchyConfig,
-    check_run,
     from_ds_config,
     hpz_partition_size,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "HierarchyConfig",
     "build_hierarchy",
     "check_whole_nodes",
-    "check_run",
     "create_engine",
     "from_ds_config",
     "hpz_partition_size",
@@ -49,9 +47,9 @@ def ranks_per_node(hcfg: HierarchyConfig | dict) -> int:
 
 def create_engine(model: torch.nn.Module, run, pstate, hcfg: HierarchyConfig, optimizer_factory,
                   scheduler_factory) -> HierarchicalZeroEngine:
-    """Build the tier groups (collective) and the engine for ``run`` (a validated RunConfig)."""
+    """Build the tier groups (collective) and the engine for ``run`` (a RunConfig, whose validation refused what the
+    mode cannot run with: megatron/config/parallel.py)."""
     p = run.parallel
-    check_run(hcfg, p.zero_stage, p.pp, run.precision.fp16)
     hierarchy = build_hierarchy(pstate.all_groups["dp"], pstate.world_size, pstate.global_rank, hcfg.levels,
                                 ranks_per_node(hcfg))
     dtype = torch.bfloat16 if run.precision.bf16 else torch.float32

@@ -103,15 +103,3 @@ def hpz_partition_size(cfg: dict, tp: int, zero_stage: int, ranks_per_node: int)
         raise ConfigError(f"{SECTION}.zero_hpz with --tensor-model-parallel-size {tp}: DeepSpeed's hpZ groups are "
                           "contiguous global ranks, which mix TP peers; use --zero-hierarchy instead")
     return ranks_per_node if tier == "node" else min(2, ranks_per_node)
-
-
-def check_run(h: HierarchyConfig, zero_stage: int, pp: int, fp16: bool) -> None:
-    """Refuse what the mode cannot do, naming the flags."""
-    if zero_stage != 3:
-        raise ConfigError(f"--zero-hierarchy is a ZeRO-3 mode but --zero-stage is {zero_stage}: add --zero-stage 3")
-    if pp > 1:
-        raise ConfigError(f"--zero-hierarchy (hierarchical ZeRO-3) with --pipeline-model-parallel-size {pp}: "
-                          "like ZeRO-3 it shards weights per data-parallel rank and cannot run under DeepSpeed's "
-                          "pipeline engine; use --pipeline-model-parallel-size 1 --no-pipeline-parallel")
-    if fp16:
-        raise ConfigError("--zero-hierarchy with --fp16: this mode has no loss scaler; use --bf16 (advised on MI250X)")

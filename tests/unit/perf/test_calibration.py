@@ -59,9 +59,11 @@ def test_step_time_by_zero_mode_hook():
     piped = step_time_by_zero_mode(model, layout)
     assert set(piped) == {"zero0", "zero1"}
     assert piped["zero1"].total == pytest.approx(estimate_step_time(model, layout).total)
-    flat = dataclasses.replace(layout, pp=1, dp=16, global_batch_size=64)
-    modes = step_time_by_zero_mode(model, flat, {**ZERO_MODES, "zero3-hpz8": {"zero_stage": 3, "zero_hierarchy": 8},
-                                                 "bad-hpz": {"zero_stage": 3, "zero_hierarchy": 3}})
+    flat = dataclasses.replace(layout, pipeline_model_parallel_size=1, global_batch_size=64)  # the same 16 ranks
+    assert flat.dp == 16
+    modes = step_time_by_zero_mode(model, flat, {**ZERO_MODES,
+                                                 "zero3-hpz8": {"zero_stage": 3, "zero_hpz_partition_size": 8},
+                                                 "bad-hpz": {"zero_stage": 3, "zero_hpz_partition_size": 3}})
     assert set(modes) == {"zero0", "zero1", "zero2", "zero3", "zero3-hpz8"}
     # ZeRO-3 moves more bytes per step than ZeRO-1 (weights every micro-batch); hpZ moves its backward
     # re-gather (if any) inside the node, so it is never slower than plain ZeRO-3.

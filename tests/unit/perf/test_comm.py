@@ -16,7 +16,7 @@ S, H, L = 32, 64, 4
 
 def layout(**kw) -> Layout:
     base = {"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "global_batch_size": 8, "zero_stage": 0}
-    return Layout(**(base | kw))
+    return Layout.of(**(base | kw))
 
 
 def by(est, group, op, phase=None):
@@ -108,7 +108,7 @@ def test_tiers_follow_rank_order():
     assert est.wire_bytes_by_tier()["network"] == pytest.approx(dp.wire_bytes)
     # hpZ: the backward all-gather stays inside the hpZ group (DP ranks 0-1 = one package at TP=1).
     # reuse distance 0: ZeRO-3 releases every weight after forward and re-gathers it in backward.
-    z3 = estimate_comm(M, layout(dp=16, global_batch_size=32, zero_stage=3, zero_hierarchy=2), 0,
+    z3 = estimate_comm(M, layout(dp=16, global_batch_size=32, zero_stage=3, zero_hpz_partition_size=2), 0,
                        zero3_reuse_distance=0)
     assert by(z3, "dp", "all_gather", "weights fwd").tier == "network"
     assert by(z3, "dp", "all_gather", "weights bwd").tier == "package"

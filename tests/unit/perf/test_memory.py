@@ -25,7 +25,7 @@ TOTAL = 4 * LAYER + 256 * 64 + 32 * 64 + 128  # layers + word and position embed
 
 def layout(**kw) -> Layout:
     base = {"tp": 1, "pp": 1, "dp": 4, "micro_batch_size": 1, "global_batch_size": 8, "zero_stage": 0}
-    return Layout(**(base | kw))
+    return Layout.of(**(base | kw))
 
 
 def test_parameter_counts_by_hand():
@@ -133,7 +133,7 @@ def test_layout_checks():
     with pytest.raises(ConfigError, match="--global-batch-size"):
         layout(global_batch_size=6)
     with pytest.raises(ConfigError, match="hpz"):
-        layout(zero_hierarchy=2)
+        layout(zero_hpz_partition_size=2)
     assert layout(tp=1, sequence_parallel=True).sequence_parallel is False
     lay = layout(tp=2, pp=2, dp=2, global_batch_size=16, micro_batch_size=2)
     assert (lay.world_size, lay.num_microbatches) == (8, 4)

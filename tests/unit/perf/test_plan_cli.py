@@ -94,8 +94,8 @@ def test_moe_plan_counts_all_to_all_bytes_per_tier_and_searches_ep(capsys):
         assert f"(EP={ep})" in text and f"--moe-expert-parallel-size {ep}" in text
         sent = [float(x) for x in SENT.search(text).groups()]
         model = plan_parallelism.model_from_args(plan_parallelism.get_args(moe))
-        comm = estimate_comm(model, Layout(tp=2, pp=1, dp=8, micro_batch_size=2, global_batch_size=64, zero_stage=1,
-                                           ep=ep))
+        comm = estimate_comm(model, Layout.of(tp=2, pp=1, dp=8, micro_batch_size=2, global_batch_size=64, zero_stage=1,
+                                              moe_expert_parallel_size=ep))
         every = comm.wire_bytes_by_tier()
         a2a = sum(c.wire_bytes for c in comm.collectives if c.group == "ep" and c.op == "all_to_all")
         assert sent[:3] == pytest.approx([every[t] / 1e9 for t in ("package", "node", "network")], abs=6e-4)
