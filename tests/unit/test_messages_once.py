@@ -12,13 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ERRORS = {"ConfigError", "DataError", "CheckpointError", "TrainingError", "DistributedError", "MegatronError"}
 MIN_LENGTH = 40  # shorter texts ("{} not found") are words, not messages
-# megatron/checkpointing/ is being regrouped by format (issue 40, "checkpoint formats behind one interface", which
-# also asks for each of its refusals once): its duplicates are that change's to remove; none may be added meanwhile.
-KNOWN = {
-    "checkpoint file {} is corrupt or truncated ({})": 2,
-    "checkpoint file {} holds no 'module' weights": 2,
-    "checkpoint {} has no mp_rank_XX_model_states.pt: the run's state is missing": 2,
-}
 
 
 def _text(node: ast.expr) -> str | None:
@@ -62,6 +55,6 @@ def test_the_scan_sees_the_messages():
 
 def test_every_message_is_raised_from_one_place():
     twice = {text: places for text, places in messages().items()
-             if len(places) > KNOWN.get(text, 1) and len(text) > MIN_LENGTH}
+             if len(places) > 1 and len(text) > MIN_LENGTH}
     assert not twice, "the same message raised from several places (raise it from one function): " + "; ".join(
         f"{text!r} at {', '.join(places)}" for text, places in sorted(twice.items()))
