@@ -31,7 +31,7 @@ def model_provider(run, pstate):
     from megatron.model.gpt_model import GPTModel
 
     return GPTModel(run.model, tp=pstate.tp, sequence_parallel=run.parallel.sequence_parallel,
-                    init_seed=run.training.seed, sp=pstate.sp, ep=pstate.ep)
+                    init_seed=run.training.seed, ulysses=pstate.ulysses, ep=pstate.ep)
 
 
 def tokenizer_provider(data: DataConfig):

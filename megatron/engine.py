@@ -88,11 +88,11 @@ def build_ds_config(run: RunConfig) -> dict:
                           f"{p.zero_stage}: make them agree or drop one")
     zero["stage"] = p.zero_stage
     _zero_hierarchy(cfg, run, source)
-    if p.sp > 1 and p.zero_stage == 3:
+    if p.ulysses > 1 and p.zero_stage == 3:
         if zero.get("reduce_scatter") is False:
             # Its all-reduce path divides by DP and its reduce-scatter path by SP x DP, chosen per bucket size.
             raise ConfigError(f"{source} sets zero_optimization.reduce_scatter=false with --ds-sequence-parallel-size "
-                              f"{p.sp}: DeepSpeed's ZeRO-3 then scales SP gradients inconsistently; drop the key")
+                              f"{p.ulysses}: DeepSpeed's ZeRO-3 then scales SP gradients inconsistently; drop the key")
         zero["reduce_scatter"] = True
     if run.model.moe.enabled and p.zero_stage in (1, 2) and zero.get("reduce_scatter") is False:
         # Its all-reduce path reduces a whole gradient bucket over the data-parallel group, experts included.
@@ -210,14 +210,14 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
     offload = ds_json.offload_device(ds_config) == "cpu"
     optimizer = make_optimizer(param_groups(model, o.weight_decay), o, offload=offload)
     scheduler = OptimizerParamScheduler.from_run(optimizer, run)
-    if run.parallel.zero_stage == 3 and pstate.sp.size > 1:
+    if run.parallel.zero_stage == 3 and pstate.ulysses.size > 1:
         # DeepSpeed converts a plain module to ZeRO-3 over mpu.get_data_parallel_group() (pure DP), which would
         # leave SP peers unreduced; Ulysses shards and reduce-scatters over SP x DP, like ZeRO-1/2 do. That
         # reduce-scatter averages over SP x DP where the other stages divide by DP alone: the loss's backward
         # (megatron/core/ulysses.py sequence_mean) makes up the factor SP.
-        deepspeed.zero.Init(module=model, data_parallel_group=pstate.sdp.group, config_dict_or_path=ds_config,
+        deepspeed.zero.Init(module=model, data_parallel_group=pstate.ulysses_dp.group, config_dict_or_path=ds_config,
                             mpu=pstate)
-        model.sequence_grad_scale = float(pstate.sp.size)
+        model.sequence_grad_scale = float(pstate.ulysses.size)
     if run.parallel.zero_stage == 3 and getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
         # The output layer reads the embedding's weight from outside that module: tell ZeRO-3 to gather it.
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
@@ -231,12 +231,12 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         # only): clip ourselves, after the DP, expert and tied-weight reductions.
         ds_config = dict(ds_config, gradient_clipping=0.0)
         optimizer.register_step_pre_hook(_pipeline_clip_hook(model, pstate, o.clip_grad))
-    if pipeline and pstate.sp.size > 1:
+    if pipeline and pstate.ulysses.size > 1:
         # Its grid's data axis is SP x DP, and it checks train_batch_size against micro-batch x accumulation x
         # that axis: every SP rank counts as a replica there (each holds 1/SP of the same samples).
-        ds_config = dict(ds_config, train_batch_size=ds_config["train_batch_size"] * pstate.sp.size)
+        ds_config = dict(ds_config, train_batch_size=ds_config["train_batch_size"] * pstate.ulysses.size)
         # The engine then steps the schedule by that inflated count (it passes no lr_kwargs): count samples.
-        scheduler.engine_samples_per_sample = pstate.sp.size
+        scheduler.engine_samples_per_sample = pstate.ulysses.size
     # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            mpu=None if pipeline else pstate, config=ds_config)

@@ -120,13 +120,13 @@ def _device_id_kwargs(acc, local_rank: int, world_size: int) -> dict:
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None,
                         timeout_minutes: float = 10.0, master_addr: str | None = None, master_port: int | None = None,
-                        rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, sp: int = 1,
+                        rendezvous_timeout_secs: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, ulysses: int = 1,
                         track_collectives: bool = True, ep: int | None = None) -> ParallelState:
     """Process group + parallel groups + seeds; registers and returns the ParallelState. ``ep``: the expert-parallel
     size of a model with experts (None: no expert groups)."""
     initialize_distributed(backend, timeout_minutes, master_addr, master_port, rendezvous_timeout_secs,
                            track_collectives)
-    state = ParallelState.build(tp, pp, sp_size=sp, ep_size=ep)
+    state = ParallelState.build(tp, pp, ulysses_size=ulysses, ep_size=ep)
     parallel_state.set_parallel_state(state)
     set_seeds(seed, tp_rank=state.tp.rank, pp_rank=state.pp.rank)
     return state

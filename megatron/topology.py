@@ -338,7 +338,8 @@ def check_cpu_binding(placement: Placement, actual: set[int] | None = None) -> s
 
 @dataclass(frozen=True)
 class GroupReport:
-    """All groups of one kind ('tp', 'dp', 'pp', or with Ulysses 'sp' / 'sdp') and the slowest link each crosses."""
+    """All groups of one kind ('tp', 'dp', 'pp', or with Ulysses 'ulysses' / 'ulysses_dp') and the slowest link each
+    crosses."""
 
     kind: str
     groups: list[list[int]]
@@ -358,54 +359,54 @@ class GroupReport:
         return f"{self.kind.upper()}: {len(self.groups)} groups of {self.size}; tiers: {counts}{note}"
 
 
-def check_world_divides(world_size: int, tp: int, pp: int, sp: int = 1) -> None:
+def check_world_divides(world_size: int, tp: int, pp: int, ulysses: int = 1) -> None:
     """The ranks split into TP x PP (x Ulysses SP) x DP: the config's check (megatron/config/parallel.py), the dry
     run's and the planner's, and the groups'."""
-    if sp > 1 and world_size % (tp * pp * sp):
+    if ulysses > 1 and world_size % (tp * pp * ulysses):
         raise ConfigError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x "
-                          f"--ds-sequence-parallel-size {sp} = {tp * pp * sp}: launch a multiple of {tp * pp * sp} "
-                          "ranks or shrink the sizes")
+                          f"--ds-sequence-parallel-size {ulysses} = {tp * pp * ulysses}: launch a multiple of "
+                          f"{tp * pp * ulysses} ranks or shrink the sizes")
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} ranks or "
                           "shrink TP/PP")
 
 
-def check_expert_parallel(world_size: int, tp: int, pp: int, sp: int, ep: int) -> None:
+def check_expert_parallel(world_size: int, tp: int, pp: int, ulysses: int, ep: int) -> None:
     """The experts' EP ranks are consecutive data-parallel ranks: EP divides the data-parallel size."""
-    dp = world_size // (tp * pp * sp)
+    dp = world_size // (tp * pp * ulysses)
     if dp % ep:
         raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp} (world "
                           f"{world_size} / TP {tp} / PP {pp}): the expert-parallel ranks are data-parallel ranks; use "
                           f"a divisor of {dp}")
 
 
-def parallel_groups(world_size: int, tp: int, pp: int, sp: int = 1,
+def parallel_groups(world_size: int, tp: int, pp: int, ulysses: int = 1,
                     ep: int | None = None) -> dict[str, list[list[int]]]:
     """Megatron's rank order (TP innermost, then DP, then PP): rank = (pp_i * dp + dp_i) * tp + tp_i.
 
-    With DeepSpeed-Ulysses (``sp`` > 1) that data-parallel dimension splits into SP (inner) x DP (outer):
-    "sdp" holds the former DP groups (gradients and ZeRO shards span them), "sp" their consecutive runs of
-    ``sp`` ranks (one sequence's shards: the all-to-alls), "dp" their strided members (different samples).
+    With DeepSpeed-Ulysses (``ulysses`` > 1) that data-parallel dimension splits into SP (inner) x DP (outer):
+    "ulysses_dp" holds the former DP groups (gradients and ZeRO shards span them), "ulysses" their consecutive runs of
+    ``ulysses`` ranks (one sequence's shards: the all-to-alls), "dp" their strided members (different samples).
 
     A model with experts (``ep`` not None, 1 included) splits each DP group into EP (inner) x replicas: "ep" holds
     its consecutive runs of ``ep`` ranks (one copy of all experts: the token all-to-alls, inside a node where they
     fit), "edp" its strided members (the replicas of the same experts: their gradients), as DeepSpeed's expert
     groups. 16 ranks, TP=2, EP=2: EP [0,2] [4,6] ... [1,3] ..., EDP [0,4,8,12] [2,6,10,14] [1,5,9,13] ..."""
-    check_world_divides(world_size, tp, pp, sp)
+    check_world_divides(world_size, tp, pp, ulysses)
     dp = world_size // (tp * pp)
     groups = {
         "tp": [[(p * dp + d) * tp + t for t in range(tp)] for p in range(pp) for d in range(dp)],
         "dp": [[(p * dp + d) * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)],
         "pp": [[(p * dp + d) * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
-    if sp > 1:
-        sdp = groups["dp"]
-        groups["sp"] = [g[i:i + sp] for g in sdp for i in range(0, dp, sp)]
-        groups["dp"] = [g[j::sp] for g in sdp for j in range(sp)]
-        groups["sdp"] = sdp
+    if ulysses > 1:
+        ulysses_dp = groups["dp"]
+        groups["ulysses"] = [g[i:i + ulysses] for g in ulysses_dp for i in range(0, dp, ulysses)]
+        groups["dp"] = [g[j::ulysses] for g in ulysses_dp for j in range(ulysses)]
+        groups["ulysses_dp"] = ulysses_dp
     if ep is not None:
-        check_expert_parallel(world_size, tp, pp, sp, ep)
+        check_expert_parallel(world_size, tp, pp, ulysses, ep)
         groups["ep"] = [g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep)]
         groups["edp"] = [g[j::ep] for g in groups["dp"] for j in range(ep)]
     return groups
@@ -425,10 +426,10 @@ def group_tier(ranks: list[int], placements: list[Placement]) -> str:
     return "package" if len({placements[r].package for r in ranks}) == 1 else "node"
 
 
-def group_reports(placements: list[Placement], tp: int, pp: int, sp: int = 1,
+def group_reports(placements: list[Placement], tp: int, pp: int, ulysses: int = 1,
                   ep: int | None = None) -> dict[str, GroupReport]:
     """Every group kind of ``parallel_groups`` (with experts, ``ep`` given: "ep" and "edp" too) and its tiers."""
-    groups = parallel_groups(len(placements), tp, pp, sp, ep)
+    groups = parallel_groups(len(placements), tp, pp, ulysses, ep)
     return {kind: GroupReport(kind, gs, [group_tier(g, placements) for g in gs]) for kind, gs in groups.items()}
 
 

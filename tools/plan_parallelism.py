@@ -75,7 +75,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--zero-hpz-partition-size", type=int, help="ZeRO++ hpZ group (ZeRO-3)")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="DeepSpeed-Ulysses ranks per sequence in the explicit layout (default 1)")
-    g.add_argument("--sp-sizes", type=int, nargs="+", default=[1],
+    g.add_argument("--ulysses-sizes", "--sp-sizes", type=int, nargs="+", default=[1],
                    help="DeepSpeed-Ulysses sizes the search tries, e.g. 1 2 4 8 for long sequences (default: 1)")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -217,8 +217,8 @@ def sbatch_command(model: ModelConfig, layout: Layout, ds_config_path: str | Non
               f"--micro-batch-size {layout.micro_batch_size}", f"--global-batch-size {layout.global_batch_size}"]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
-    if layout.sp > 1:
-        flags.append(f"--ds-sequence-parallel-size {layout.sp}")
+    if layout.ulysses > 1:
+        flags.append(f"--ds-sequence-parallel-size {layout.ulysses}")
     if layout.recompute_granularity:
         flags.append(f"--recompute-granularity {layout.recompute_granularity}")
     if layout.flash_attention:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"over {args.memory_gib:g} GiB")
     else:
         space = SearchSpace(flash_attention=not args.no_flash_attention, dtype=args.dtype,
-                            ds_sequence_parallel_size=tuple(args.sp_sizes),
+                            ds_sequence_parallel_size=tuple(args.ulysses_sizes),
                             ep=tuple(args.ep_sizes) if args.ep_sizes else None)
         ranked, everything = plan(model, gcds, args.global_batch_size, space, capacity)
         print(f"{len(everything)} valid layouts, {len(ranked)} fit in {args.memory_gib:g} GiB; top {args.top} "

@@ -122,7 +122,7 @@ def format_memory(est: MemoryEstimate, layout: Layout) -> str:
             hints.append("--recompute-granularity full")
         if layout.tp > 1 and not layout.sequence_parallel:
             hints.append("--sequence-parallel")
-        if layout.sp == 1 and layout.dp > 1:
+        if layout.ulysses == 1 and layout.dp > 1:
             hints.append("--ds-sequence-parallel-size (long sequences: activations / SP)")
         hints.append("a larger --pipeline-model-parallel-size or --tensor-model-parallel-size (<= 8)")
         lines.append(f"  try: {'; '.join(hints)}")
@@ -138,7 +138,7 @@ def render(model: ModelConfig, layout: Layout, ranks_per_node: int = GCDS_PER_NO
     check_tp_within_node(world, layout.tp, layout.pp, ranks_per_node, allow_tp_across_nodes)
     placements = frontier_placement(world, ranks_per_node)
     experts = model.moe.enabled
-    reports = group_reports(placements, layout.tp, layout.pp, layout.sp, layout.ep if experts else None)
+    reports = group_reports(placements, layout.tp, layout.pp, layout.ulysses, layout.ep if experts else None)
     est = estimate_memory(model, layout)
     nodes = placements[-1].node_index + 1
     out = [

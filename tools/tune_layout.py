@@ -81,8 +81,8 @@ def command(model: ModelConfig, layout: Layout, args: argparse.Namespace) -> lis
                       "--eval-iters", "0", "--lr", "1e-4", "--seed", "1234"]
     if layout.sequence_parallel:
         cmd.append("--sequence-parallel")
-    if layout.sp > 1:
-        cmd += ["--ds-sequence-parallel-size", str(layout.sp)]
+    if layout.ulysses > 1:
+        cmd += ["--ds-sequence-parallel-size", str(layout.ulysses)]
     if layout.recompute_granularity:
         cmd += ["--recompute-granularity", layout.recompute_granularity]
     if layout.dtype == "bf16":
@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--recompute", choices=["none", "full", "both"], default="both")
     p.add_argument("--pp-sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--sp-sizes", type=int, nargs="+", default=[1],
+    p.add_argument("--ulysses-sizes", "--sp-sizes", type=int, nargs="+", default=[1],
                    help="DeepSpeed-Ulysses sizes to search (--ds-sequence-parallel-size), e.g. 1 2 4")
     p.add_argument("--bf16", action="store_true", help="run and predict in bf16 (default fp32, as on CPU)")
     p.add_argument("--train-iters", type=int, default=6)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> list[Trial]:
     space = SearchSpace(tp=tuple(args.tp_sizes), micro_batch_size=tuple(args.micro_batch_sizes),
                         zero_stage=tuple(args.zero_stages), recompute_granularity=rc,
                         dtype="bf16" if args.bf16 else "fp32", pp=tuple(args.pp_sizes),
-                        ds_sequence_parallel_size=tuple(args.sp_sizes))
+                        ds_sequence_parallel_size=tuple(args.ulysses_sizes))
     fitting, _ = plan(model, args.gcds, args.global_batch_size, space)
     top = fitting[:args.top_k]
     print(f"> {len(fitting)} layouts fit; running the planner's top {len(top)} "

@@ -59,7 +59,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
         return
     # ZeRO partitions over every rank of the data-parallel dimension, DeepSpeed-Ulysses' SP ranks included.
     saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
-    now_dp = run.parallel.dp * run.parallel.sp
+    now_dp = run.parallel.dp * run.parallel.ulysses
     if p["zero_stage"] > 0 and saved_dp != now_dp:
         raise ConfigError(f"--load {where}: ZeRO-{p['zero_stage']} optimizer state is partitioned over "
                           f"data-parallel size {saved_dp}, now {now_dp}. Launch the same DP size, or pass "

@@ -47,7 +47,7 @@ class ParallelConfig:
         return self.pipeline_model_parallel_size
 
     @property
-    def sp(self) -> int:
+    def ulysses(self) -> int:
         return self.ds_sequence_parallel_size
 
     @property
@@ -57,7 +57,7 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
-        return self.world_size // (self.tp * self.pp * self.sp)
+        return self.world_size // (self.tp * self.pp * self.ulysses)
 
     def validate(self) -> None:
         """Raises ConfigError naming the flags; changes nothing."""
@@ -68,7 +68,7 @@ class ParallelConfig:
         if self.pp > 1 and self.no_pipeline_parallel:
             raise ConfigError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {self.pp}: the plain "
                               "GPTModel has no stages; drop --no-pipeline-parallel or use PP=1")
-        check_world_divides(self.world_size, self.tp, self.pp, self.sp)
+        check_world_divides(self.world_size, self.tp, self.pp, self.ulysses)
         if self.zero_hierarchy:  # --zero-hierarchy, or the DeepSpeed JSON's megatron_frontier section
             self._validate_zero_hierarchy()
         if self.pp > 1 and self.zero_stage >= 2:
@@ -78,13 +78,13 @@ class ParallelConfig:
 
     def validate_expert_parallel(self) -> None:
         """With experts (RunConfig checks a model's; the planner's layouts set EP only for one)."""
-        check_expert_parallel(self.world_size, self.tp, self.pp, self.sp, self.ep)
+        check_expert_parallel(self.world_size, self.tp, self.pp, self.ulysses, self.ep)
 
     def _validate_zero_hierarchy(self) -> None:
         """What hierarchical ZeRO-3 (megatron/core/hierarchical_zero) cannot run with."""
-        if self.sp > 1:
-            raise ConfigError(f"hierarchical ZeRO (--zero-hierarchy) with --ds-sequence-parallel-size {self.sp}: its "
-                              "engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
+        if self.ulysses > 1:
+            raise ConfigError(f"hierarchical ZeRO (--zero-hierarchy) with --ds-sequence-parallel-size {self.ulysses}: "
+                              "its engine reduces over the DP groups only, not SP x DP; use --zero-stage 3 without it")
         if self.zero_stage != 3:
             raise ConfigError(f"--zero-hierarchy is a ZeRO-3 mode but --zero-stage is {self.zero_stage}: add "
                               "--zero-stage 3")

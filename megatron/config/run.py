@@ -83,10 +83,10 @@ class RunConfig:
                               "expert-parallel rank holds the same number of experts; use a multiple of it")
         self._validate_moe_stages()
         moe_with = "mixture of experts (--num-experts) with"
-        if p.sp > 1:
-            raise ConfigError(f"{moe_with} --ds-sequence-parallel-size {p.sp}: each Ulysses rank would gate 1/SP of a "
-                              "sequence, another capacity than one process's; use --sequence-parallel (Megatron's) or "
-                              "SP 1")
+        if p.ulysses > 1:
+            raise ConfigError(f"{moe_with} --ds-sequence-parallel-size {p.ulysses}: each Ulysses rank would gate 1/SP "
+                              "of a sequence, another capacity than one process's; use --sequence-parallel "
+                              "(Megatron's) or SP 1")
         if p.zero_hierarchy:  # the flag, or the JSON's megatron_frontier section
             what, engine = (f"hierarchical ZeRO ({ds.source}) with --num-experts", "its engine") \
                 if ds.hierarchy_from_json else (f"{moe_with} --zero-hierarchy", "hierarchical ZeRO")
@@ -115,16 +115,16 @@ class RunConfig:
     def _validate_sequence_parallel(self) -> None:
         """Ulysses splits the sequence into SP chunks and each TP rank's heads (query and KV) into SP groups."""
         m, p = self.model, self.parallel
-        if p.sp == 1:
+        if p.ulysses == 1:
             return
-        flag = f"--ds-sequence-parallel-size {p.sp}"
+        flag = f"--ds-sequence-parallel-size {p.ulysses}"
         for name, heads in (("--num-attention-heads", m.num_attention_heads),
                             ("--num-key-value-heads", m.num_key_value_heads)):
-            if (heads // p.tp) % p.sp:
+            if (heads // p.tp) % p.ulysses:
                 raise ConfigError(f"{flag}: {name} {heads} gives {heads // p.tp} heads per TP rank, which SP cannot "
                                   f"split; use an SP size that divides {heads // p.tp}")
-        chunks = p.sp * (p.tp if p.sequence_parallel else 1)
+        chunks = p.ulysses * (p.tp if p.sequence_parallel else 1)
         if m.seq_length % chunks:
             why = f" x TP {p.tp} (--sequence-parallel)" if p.sequence_parallel else ""
-            raise ConfigError(f"{flag}: --seq-length {m.seq_length} is not divisible by SP {p.sp}{why}; use a "
+            raise ConfigError(f"{flag}: --seq-length {m.seq_length} is not divisible by SP {p.ulysses}{why}; use a "
                               f"multiple of {chunks}")

@@ -14,9 +14,13 @@ package, so TP=2 rides the 200 GB/s in-package link and TP=8 stays inside a node
 DeepSpeed-Ulysses (SP > 1) splits that DP dimension into SP (inner) x DP (outer), so the SP all-to-alls ride
 the fastest link TP leaves free. 16 ranks, TP=2, PP=2, SP=2 (so DP=2):
 
-    SP groups  (8): [0,2] [4,6] [1,3] [5,7] [8,10] [12,14] [9,11] [13,15]
-    DP groups  (8): [0,4] [2,6] [1,5] [3,7] [8,12] [10,14] [9,13] [11,15]
-    SDP groups (4): [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]   (gradients and ZeRO shards)
+    ULYSSES groups    (8): [0,2] [4,6] [1,3] [5,7] [8,10] [12,14] [9,11] [13,15]
+    DP groups         (8): [0,4] [2,6] [1,5] [3,7] [8,12] [10,14] [9,13] [11,15]
+    ULYSSES_DP groups (4): [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]   (gradients and ZeRO shards)
+
+Megatron's own sequence parallelism (``--sequence-parallel``, ``sequence_parallel`` everywhere) is another thing: it
+splits the sequence over the TP group between the TP regions and has no group of its own. Fields and groups of
+DeepSpeed-Ulysses are named ``ulysses`` (never ``sp``), so the two cannot be confused.
 
 ``ParallelState`` is also the ``mpu`` object DeepSpeed expects (get_model_parallel_* = TP,
 get_data_parallel_*). The registry holds the one instance of the run; code that wants other groups
@@ -32,13 +36,13 @@ import deepspeed.comm as dist
 from megatron.topology import parallel_groups
 
 
-def layout_groups(world_size: int, tp: int, pp: int, sp: int = 1,
+def layout_groups(world_size: int, tp: int, pp: int, ulysses: int = 1,
                   ep: int | None = None) -> dict[str, list[list[int]]]:
     """Pure function: the rank lists of every TP, DP and PP group (``megatron.topology.parallel_groups``, the one
-    statement of Megatron's rank order; with SP > 1 also "sp" and "sdp", with experts "ep" and "edp"), plus "mp":
-    the TP x PP ranks of each full model replica (each SP rank counts as one: after the gradient reduction SP peers
-    hold equal grads; an EP rank holds only its own experts, which the gradient norm adds over "ep")."""
-    groups = parallel_groups(world_size, tp, pp, sp, ep)
+    statement of Megatron's rank order; with SP > 1 also "ulysses" and "ulysses_dp", with experts "ep" and "edp"), plus
+    "mp": the TP x PP ranks of each full model replica (each SP rank counts as one: after the gradient reduction SP
+    peers hold equal grads; an EP rank holds only its own experts, which the gradient norm adds over "ep")."""
+    groups = parallel_groups(world_size, tp, pp, ulysses, ep)
     dp = world_size // (tp * pp)
     groups["mp"] = [[(p * dp + d) * tp + t for p in range(pp) for t in range(tp)] for d in range(dp)]
     return groups
@@ -67,9 +71,9 @@ class ParallelState:
     pp: GroupInfo
     mp: GroupInfo
     all_groups: dict[str, list[list[int]]] = field(default_factory=dict)
-    sp: GroupInfo | None = None
+    ulysses: GroupInfo | None = None
     """DeepSpeed-Ulysses sequence group (size 1 without it)."""
-    sdp: GroupInfo | None = None
+    ulysses_dp: GroupInfo | None = None
     """SP x DP: where gradients are reduced and ZeRO shards (the DP group itself without SP)."""
     ep: GroupInfo | None = None
     """Expert parallelism: the DP ranks that together hold one copy of every expert (a lone rank, without a group
@@ -78,10 +82,10 @@ class ParallelState:
     """The replicas of this rank's experts: where their gradients are reduced (the DP group itself without EP)."""
 
     def __post_init__(self) -> None:
-        if self.sp is None:
-            self.sp = GroupInfo([self.global_rank], 0, None)
-        if self.sdp is None:
-            self.sdp = self.dp
+        if self.ulysses is None:
+            self.ulysses = GroupInfo([self.global_rank], 0, None)
+        if self.ulysses_dp is None:
+            self.ulysses_dp = self.dp
         if self.ep is None:
             self.ep = GroupInfo([self.global_rank], 0, None)
         if self.edp is None:
@@ -89,7 +93,7 @@ class ParallelState:
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int = 1, world_size: int | None = None,
-              global_rank: int | None = None, sp_size: int = 1, ep_size: int | None = None) -> ParallelState:
+              global_rank: int | None = None, ulysses_size: int = 1, ep_size: int | None = None) -> ParallelState:
         """Create the groups. Every rank must call this in the same order (new_group is collective). ``ep_size``: a
         model with experts (its EP and expert-replica groups exist even at size 1: DeepSpeed reduces over them)."""
         distributed = dist.is_initialized()
@@ -97,7 +101,7 @@ class ParallelState:
             world_size = dist.get_world_size() if distributed else 1
         if global_rank is None:
             global_rank = dist.get_rank() if distributed else 0
-        groups = layout_groups(world_size, tp_size, pp_size, sp_size, ep_size)
+        groups = layout_groups(world_size, tp_size, pp_size, ulysses_size, ep_size)
         mine = {}
         for kind, lists in groups.items():
             for ranks in lists:
@@ -105,7 +109,7 @@ class ParallelState:
                 if global_rank in ranks:
                     mine[kind] = GroupInfo(ranks, ranks.index(global_rank), handle)
         return cls(world_size, global_rank, mine["tp"], mine["dp"], mine["pp"], mine["mp"], groups,
-                   mine.get("sp"), mine.get("sdp"), mine.get("ep"), mine.get("edp"))
+                   mine.get("ulysses"), mine.get("ulysses_dp"), mine.get("ep"), mine.get("edp"))
 
     # --- the mpu interface DeepSpeed probes (model parallel == tensor parallel here) ---
     def get_model_parallel_rank(self) -> int:
@@ -133,22 +137,22 @@ class ParallelState:
     # DeepSpeed reads these (deepspeed.utils.groups): it reduces gradients, partitions ZeRO states and
     # broadcasts the initial weights over the SP x DP group, and divides the summed gradients by DP only.
     def get_sequence_parallel_rank(self) -> int:
-        return self.sp.rank
+        return self.ulysses.rank
 
     def get_sequence_parallel_world_size(self) -> int:
-        return self.sp.size
+        return self.ulysses.size
 
     def get_sequence_parallel_group(self):
-        return self.sp.group
+        return self.ulysses.group
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.sdp.rank
+        return self.ulysses_dp.rank
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.sdp.size
+        return self.ulysses_dp.size
 
     def get_sequence_data_parallel_group(self):
-        return self.sdp.group
+        return self.ulysses_dp.group
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.pp.rank
@@ -162,7 +166,7 @@ class ParallelState:
     def describe(self) -> str:
         """Which global ranks form each group (printed by rank 0 at start-up)."""
         lines = []
-        for kind in ("tp", "pp", "dp", "sp", "sdp", "ep", "edp"):
+        for kind in ("tp", "pp", "dp", "ulysses", "ulysses_dp", "ep", "edp"):
             if kind not in self.all_groups:
                 continue
             lists = self.all_groups[kind]

@@ -19,56 +19,56 @@ from megatron.core import comm
 from megatron.core.parallel_state import GroupInfo
 
 
-def _seq_to_heads(x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
     """[s/SP, b, n, *rest] -> [s, b, n/SP, *rest]: rank j sends head chunk k to rank k, receives sequence chunks."""
-    n = sp.size
+    n = ulysses.size
     s_loc, b, heads = x.shape[:3]
     rest = tuple(x.shape[3:])
     send = x.reshape(s_loc, b, n, heads // n, *rest).movedim(2, 0)  # [SP, s/SP, b, n/SP, *rest]
-    recv = comm.all_to_all(send, sp.group)  # chunk j came from rank j: sequence chunk j
+    recv = comm.all_to_all(send, ulysses.group)  # chunk j came from rank j: sequence chunk j
     return recv.reshape(n * s_loc, b, heads // n, *rest)
 
 
-def _heads_to_seq(x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
     """[s, b, n/SP, *rest] -> [s/SP, b, n, *rest]: the inverse of ``_seq_to_heads``."""
-    n = sp.size
+    n = ulysses.size
     s, b, h_loc = x.shape[:3]
     rest = tuple(x.shape[3:])
     send = x.reshape(n, s // n, b, h_loc, *rest)  # chunk j: sequence chunk j, for rank j
-    recv = comm.all_to_all(send, sp.group)  # [SP, s/SP, b, n/SP, *rest]: chunk j holds rank j's heads
+    recv = comm.all_to_all(send, ulysses.group)  # [SP, s/SP, b, n/SP, *rest]: chunk j holds rank j's heads
     return recv.movedim(0, 2).reshape(s // n, b, n * h_loc, *rest)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
-        ctx.sp = sp
-        return _seq_to_heads(x, sp)
+    def forward(ctx, x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
+        ctx.ulysses = ulysses
+        return _seq_to_heads(x, ulysses)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_seq(grad, ctx.sp), None
+        return _heads_to_seq(grad, ctx.ulysses), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
-        ctx.sp = sp
-        return _heads_to_seq(x, sp)
+    def forward(ctx, x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
+        ctx.ulysses = ulysses
+        return _heads_to_seq(x, ulysses)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _seq_to_heads(grad, ctx.sp), None
+        return _seq_to_heads(grad, ctx.ulysses), None
 
 
-def seq_to_heads(x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
     """Sequence-sharded [s/SP, b, n, ...] -> head-sharded [s, b, n/SP, ...] (identity when SP = 1)."""
-    return x if sp.size == 1 else _SeqToHeads.apply(x, sp)
+    return x if ulysses.size == 1 else _SeqToHeads.apply(x, ulysses)
 
 
-def heads_to_seq(x: torch.Tensor, sp: GroupInfo) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, ulysses: GroupInfo) -> torch.Tensor:
     """Head-sharded [s, b, n/SP, ...] -> sequence-sharded [s/SP, b, n, ...] (identity when SP = 1)."""
-    return x if sp.size == 1 else _HeadsToSeq.apply(x, sp)
+    return x if ulysses.size == 1 else _HeadsToSeq.apply(x, ulysses)
 
 
 class _SumOverSequence(torch.autograd.Function):
@@ -77,17 +77,17 @@ class _SumOverSequence(torch.autograd.Function):
     alone), except where it averages over SP x DP (ZeRO-3's reduce-scatter): there ``grad_scale`` is SP."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, sp: GroupInfo, grad_scale: float) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, ulysses: GroupInfo, grad_scale: float) -> torch.Tensor:
         ctx.grad_scale = grad_scale
-        out = t.detach().to(comm.collective_device(sp.group)).clone()
-        return comm.all_reduce(out, sp.group).to(t.device)
+        out = t.detach().to(comm.collective_device(ulysses.group)).clone()
+        return comm.all_reduce(out, ulysses.group).to(t.device)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return (grad if ctx.grad_scale == 1.0 else grad * ctx.grad_scale), None, None
 
 
-def sequence_mean(losses: torch.Tensor, mask: torch.Tensor | None, sp: GroupInfo,
+def sequence_mean(losses: torch.Tensor, mask: torch.Tensor | None, ulysses: GroupInfo,
                   grad_scale: float = 1.0) -> torch.Tensor:
     """Mean of the per-token ``losses`` [b, s/SP] (weighted by ``mask``) over the whole sequence: every SP rank
     returns the same value, and the sum of their gradients is the gradient of that mean (times
@@ -98,21 +98,21 @@ def sequence_mean(losses: torch.Tensor, mask: torch.Tensor | None, sp: GroupInfo
     else:
         mask = mask.float()
         num, den = (losses * mask).sum(), mask.sum()
-    if sp.size == 1:
+    if ulysses.size == 1:
         return num / den.clamp(min=1.0)
-    both = _SumOverSequence.apply(torch.stack([num, den.detach()]), sp, grad_scale)  # one message, both sums
+    both = _SumOverSequence.apply(torch.stack([num, den.detach()]), ulysses, grad_scale)  # one message, both sums
     return both[0] / both[1].clamp(min=1.0)
 
 
-def slice_batch(batch: dict, sp: GroupInfo) -> dict:
+def slice_batch(batch: dict, ulysses: GroupInfo) -> dict:
     """This SP rank's part of a micro-batch loaded whole by every rank of the group.
 
     ``text`` [b, s+1] -> tokens [j*c, (j+1)*c] inclusive (c = s/SP): the rank's c inputs and their c labels.
     Per-position tensors [b, s] (``loss_mask``) -> columns [j*c, (j+1)*c)."""
-    if sp.size == 1:
+    if ulysses.size == 1:
         return batch
     s = batch["text"].shape[1] - 1
-    c, j = s // sp.size, sp.rank
+    c, j = s // ulysses.size, ulysses.rank
     out = {}
     for key, v in batch.items():
         if key == "text":
@@ -124,15 +124,15 @@ def slice_batch(batch: dict, sp: GroupInfo) -> dict:
     return out
 
 
-def sequence_slices(batches: Iterator[dict], sp: GroupInfo) -> Iterator[dict]:
+def sequence_slices(batches: Iterator[dict], ulysses: GroupInfo) -> Iterator[dict]:
     """``slice_batch`` over a micro-batch iterator (the data loader of every SP rank yields the same batches)."""
-    if sp.size == 1:
+    if ulysses.size == 1:
         yield from batches
         return
     for batch in batches:
-        yield slice_batch(batch, sp)
+        yield slice_batch(batch, ulysses)
 
 
-def position_ids(s_local: int, sp: GroupInfo, device) -> torch.Tensor:
+def position_ids(s_local: int, ulysses: GroupInfo, device) -> torch.Tensor:
     """Global positions [1, s/SP] of this rank's tokens (learned position embeddings)."""
-    return (torch.arange(s_local, device=device) + sp.rank * s_local).unsqueeze(0)
+    return (torch.arange(s_local, device=device) + ulysses.rank * s_local).unsqueeze(0)

@@ -22,17 +22,17 @@ class SelfAttention(nn.Module):
     The fused QKV weight is laid out per KV group: [q_1 .. q_g, k, v] for each of the nkv groups
     (g = heads / kv heads), so a contiguous TP split hands each rank whole groups.
 
-    DeepSpeed-Ulysses (``sp`` of size > 1): the input holds 1/SP of the sequence; the fused QKV goes through one
+    DeepSpeed-Ulysses (``ulysses`` of size > 1): the input holds 1/SP of the sequence; the fused QKV goes through one
     all-to-all (whole KV groups per SP rank, so GQA stays intact), attention runs over the whole sequence on
     1/SP of this TP rank's heads, and a second all-to-all brings the context back to the sequence shard.
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool,
-                 init_seed: int, sp: GroupInfo | None = None) -> None:
+                 init_seed: int, ulysses: GroupInfo | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.sp = sp if sp is not None else GroupInfo([0], 0, None)
+        self.ulysses = ulysses if ulysses is not None else GroupInfo([0], 0, None)
         self.heads = cfg.num_attention_heads // tp.size
         self.kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -59,14 +59,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [s(/tp with SP), b, h] -> ([s(/tp), b, h], the projection's bias [h] if left un-added for
         the fused bias-dropout-add, else None)."""
-        mixed, _ = self.query_key_value(x)  # [s/sp, b, (nq + 2 nkv)/tp * d]
+        mixed, _ = self.query_key_value(x)  # [s/SP, b, (nq + 2 nkv)/tp * d]
         g = self.heads // self.kv_heads
         mixed = mixed.view(mixed.shape[0], mixed.shape[1], self.kv_heads, g + 2, self.head_dim)
-        mixed = seq_to_heads(mixed, self.sp)  # [s, b, nkv/tp/sp, g + 2, d]: the whole sequence, whole KV groups
+        mixed = seq_to_heads(mixed, self.ulysses)  # [s, b, nkv/tp/SP, g + 2, d]: the whole sequence, whole KV groups
         s, b, kv_heads = mixed.shape[:3]
         heads = kv_heads * g
-        q = mixed[:, :, :, :g].reshape(s, b, heads, self.head_dim)  # [s, b, nq/tp/sp, d]
-        k, v = mixed[:, :, :, g], mixed[:, :, :, g + 1]  # [s, b, nkv/tp/sp, d]
+        q = mixed[:, :, :, :g].reshape(s, b, heads, self.head_dim)  # [s, b, nq/tp/SP, d]
+        k, v = mixed[:, :, :, g], mixed[:, :, :, g + 1]  # [s, b, nkv/tp/SP, d]
         if self.cfg.position_embedding_type == "rope":
             cos, sin = rotary_cos_sin(s, self.cfg.rotary_dim, self.cfg.rotary_base, q.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -76,5 +76,5 @@ class SelfAttention(nn.Module):
             ctx = checkpoint(self._core, q, k, v)  # drops the [b, n, s, s] scores/probs
         else:
             ctx = self._core(q, k, v)
-        ctx = heads_to_seq(ctx.permute(2, 0, 1, 3), self.sp)  # [b, n, s, d] -> [s/sp, b, nq/tp, d]
-        return self.dense(ctx.reshape(ctx.shape[0], b, self.heads * self.head_dim))  # [s/sp, b, nq/tp * d]
+        ctx = heads_to_seq(ctx.permute(2, 0, 1, 3), self.ulysses)  # [b, n, s, d] -> [s/SP, b, nq/tp, d]
+        return self.dense(ctx.reshape(ctx.shape[0], b, self.heads * self.head_dim))  # [s/SP, b, nq/tp * d]

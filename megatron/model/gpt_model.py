@@ -23,22 +23,22 @@ from megatron.model.transformer import TransformerLayer
 
 class GPTModel(nn.Module):
     """tokens [b, s] -> per-token loss [b, s] (fp32) when labels are given, else vocab-parallel
-    logits [b, s, V/tp]. With DeepSpeed-Ulysses (``sp``) tokens and labels are this SP rank's slice [b, s/SP].
+    logits [b, s, V/tp]. With DeepSpeed-Ulysses (``ulysses``) tokens and labels are this SP rank's slice [b, s/SP].
 
     With mixture-of-experts layers (``cfg.moe``, experts split over ``ep``) each forward leaves the scaled sum of their
     load-balancing losses for ``take_moe_loss``; ``sample_index`` [b] (the samples' indices in the data set) keys the
     gates' random draws, so they follow the tokens, not the layout."""
 
     def __init__(self, cfg: ModelConfig, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234, sp: GroupInfo | None = None, ep: GroupInfo | None = None) -> None:
+                 init_seed: int = 1234, ulysses: GroupInfo | None = None, ep: GroupInfo | None = None) -> None:
         super().__init__()
         self.cfg, self.tp, self.init_seed = cfg, tp, init_seed
-        self.sp = sp if sp is not None else GroupInfo([0], 0, None)
+        self.ulysses = ulysses if ulysses is not None else GroupInfo([0], 0, None)
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
         common = dict(tp=tp, sequence_parallel=self.sequence_parallel, init_seed=init_seed)
         self.embedding = Embedding(cfg, self.padded_vocab_size, **common)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common, sp=self.sp, num_experts=n, ep=ep)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, **common, ulysses=self.ulysses, num_experts=n, ep=ep)
                                     for i, n in enumerate(cfg.layer_experts()))
         self.moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
         self._moe_loss: torch.Tensor | None = None
@@ -51,10 +51,10 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, sample_index: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None and self.sp.size > 1:  # learned positions are global (RoPE is, after the all-to-all)
-            position_ids = sequence_position_ids(tokens.shape[1], self.sp, tokens.device)
+        if position_ids is None and self.ulysses.size > 1:  # learned positions are global (RoPE is, after all-to-all)
+            position_ids = sequence_position_ids(tokens.shape[1], self.ulysses, tokens.device)
         keys = self._token_keys(tokens, sample_index)
-        x = self.embedding(tokens, position_ids)  # [s(/sp)(/tp), b, h]
+        x = self.embedding(tokens, position_ids)  # [s(/SP)(/tp), b, h]
         for start, end, recompute in self.segments:
             run = self._layers(start, end, keys)
             if self.training and recompute:  # keeps only the segment's input [s, b, h] (or 1/TP of it)

@@ -57,17 +57,18 @@ class EmbeddingPipe(Embedding):
     stage's copy of this module can project with ``word_embeddings.weight`` (see ``tied_output``).
     A model with experts: (tokens, sample_index [b]) -> (hidden, keys [s, b], balancing-loss sum [1])."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, sp: GroupInfo | None = None,
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, *, tied_head: bool, ulysses: GroupInfo | None = None,
                  **common) -> None:
         super().__init__(cfg, padded_vocab_size, **common)
         self.head = OutputLayer(cfg, padded_vocab_size, **common) if tied_head else None
-        self.sp = sp if sp is not None else GroupInfo([0], 0, None)
+        self.ulysses = ulysses if ulysses is not None else GroupInfo([0], 0, None)
         self.moe, self.init_seed = cfg.moe.enabled, common["init_seed"]
 
     def forward(self, inputs):
         tokens, sample_index = inputs if isinstance(inputs, tuple) else (inputs, None)
         # DeepSpeed-Ulysses: tokens are this SP rank's slice; learned positions stay global.
-        positions = sequence_position_ids(tokens.shape[1], self.sp, tokens.device) if self.sp.size > 1 else None
+        ulysses = self.ulysses
+        positions = sequence_position_ids(tokens.shape[1], ulysses, tokens.device) if ulysses.size > 1 else None
         hidden = super().forward(tokens, positions)
         if not self.moe:
             return hidden
@@ -137,7 +138,7 @@ class LMLoss:
     last micro-batch's two parts are kept detached in ``last`` for the engine's additional losses."""
 
     def __init__(self, pstate: ParallelState, moe_loss_coeff: float | None = None) -> None:
-        self.tp, self.sp = pstate.tp, pstate.sp
+        self.tp, self.ulysses = pstate.tp, pstate.ulysses
         self.moe_loss_coeff = moe_loss_coeff
         self.training = True
         self.last: OrderedDict | None = None
@@ -156,9 +157,9 @@ class LMLoss:
         # logits arrive as the [b, s, V/tp] view of [s, b, V/tp]: undo the view so the loss's chunks are
         # contiguous, and no .float(): the loss upcasts one chunk at a time.
         losses = vocab_parallel_cross_entropy(logits.transpose(0, 1), target.t(), self.tp).t()  # [b, s]
-        if self.sp.size > 1:
+        if self.ulysses.size > 1:
             # The pipeline engine averages gradients over its grid's data axis, SP x DP: the backward makes up SP.
-            return sequence_mean(losses, mask, self.sp, grad_scale=float(self.sp.size))
+            return sequence_mean(losses, mask, self.ulysses, grad_scale=float(self.ulysses.size))
         mask = mask.float()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -212,7 +213,7 @@ def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", 
 
 def check_topology(topo: PipeModelDataParallelTopology, pstate: ParallelState) -> None:
     """DeepSpeed's grid and our groups must list the same ranks, or TP would all-reduce across stages."""
-    data = "sdp" if "sdp" in pstate.all_groups else "dp"  # Ulysses: the grid's data axis is SP x DP
+    data = "ulysses_dp" if "ulysses_dp" in pstate.all_groups else "dp"  # Ulysses: the grid's data axis is SP x DP
     for axis, kind in (("model", "tp"), ("data", data), ("pipe", "pp")):
         theirs = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis)) if topo.get_dim(axis) > 1 else None
         ours = sorted(sorted(g) for g in pstate.all_groups[kind])
@@ -228,26 +229,26 @@ class GPTModelPipe(PipelineModule):
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
-        sp = sequence_parallel and tp.size > 1
+        seq_par = sequence_parallel and tp.size > 1
         padded = cfg.padded_vocab_size(tp.size)
-        common = {"tp": tp, "sequence_parallel": sp, "init_seed": init_seed}
+        common = {"tp": tp, "sequence_parallel": seq_par, "init_seed": init_seed}
         specs: list = []
         if cfg.tie_embeddings:
-            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, sp=pstate.sp,
+            specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, ulysses=pstate.ulysses,
                                        tied_weight_attr=["word_embeddings.weight"], **common))
         else:
-            specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, sp=pstate.sp, **common))
-        specs += [LayerSpec(TransformerLayerPipe, cfg, i, sp=pstate.sp, num_experts=n, ep=pstate.ep, **common)
+            specs.append(LayerSpec(EmbeddingPipe, cfg, padded, tied_head=False, ulysses=pstate.ulysses, **common))
+        specs += [LayerSpec(TransformerLayerPipe, cfg, i, ulysses=pstate.ulysses, num_experts=n, ep=pstate.ep, **common)
                   for i, n in enumerate(cfg.layer_experts())]
         specs.append(LayerSpec(FinalNormPipe, cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
-                               sequence_parallel=sp))
+                               sequence_parallel=seq_par))
         if cfg.tie_embeddings:
             specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, forward_fn=tied_output,
-                                       sp=pstate.sp, tied_weight_attr=["word_embeddings.weight"], **common))
+                                       ulysses=pstate.ulysses, tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
         self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size, pstate.ep.size)
-        topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.sdp.size)
+        topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.ulysses_dp.size)
         check_topology(topo, pstate)
         loss = LMLoss(pstate, cfg.moe.moe_loss_coeff if cfg.moe.enabled else None)
         super().__init__(specs, topology=topo, loss_fn=loss, partition_method=partition_method,
@@ -256,7 +257,7 @@ class GPTModelPipe(PipelineModule):
         layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
         for i, layer in enumerate(layers):
             layer.recompute = i < recompute_layer_count(cfg, len(layers))
-            layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, sp), tp
+            layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, seq_par), tp
         compile_transformer_layers(self, cfg.torch_compile)
 
     def forward(self, forward_input):

@@ -20,7 +20,7 @@ from megatron.model.norms import Norm
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp: GroupInfo, sequence_parallel: bool = False,
-                 init_seed: int = 1234, sp: GroupInfo | None = None, num_experts: int = 1,
+                 init_seed: int = 1234, ulysses: GroupInfo | None = None, num_experts: int = 1,
                  ep: GroupInfo | None = None) -> None:
         """``num_experts`` > 1: an MoE layer, its experts split over ``ep`` (default: all on this rank)."""
         super().__init__()
@@ -31,7 +31,7 @@ class TransformerLayer(nn.Module):
                     backend=cfg.attention_backend)
         self.input_layernorm = Norm(cfg.hidden_size, **norm)
         self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
-                                            init_seed=init_seed, sp=sp)
+                                            init_seed=init_seed, ulysses=ulysses)
         self.post_attention_layernorm = Norm(cfg.hidden_size, **norm)
         self.is_moe = num_experts > 1
         if self.is_moe:

@@ -77,8 +77,8 @@ LATENCY = {"package": 5e-6, "node": 10e-6, "network": 30e-6}
 @dataclass
 class Collective:
     group: str
-    """'tp', 'pp', 'dp' (experts' replicas included), 'sp' (Ulysses), 'ep' (experts) or 'embedding' (first <-> last
-    stage)."""
+    """'tp', 'pp', 'dp' (experts' replicas included), 'ulysses' (DeepSpeed-Ulysses' all-to-alls), 'ep' (experts) or
+    'embedding' (first <-> last stage)."""
     op: str
     """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all' or 'send'."""
     phase: str
@@ -176,19 +176,19 @@ def _group_geometry(ranks: tuple[int, ...], me: int) -> tuple[str, int]:
     return _tier(list(ranks)), sum(1 for r in ranks if r // GCDS_PER_NODE == my_node)
 
 
-def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0, sp_rank: int = 0) -> int:
-    """Megatron's order with Ulysses inside DP: rank = ((stage * DP + dp) * SP + sp) * TP + tp."""
-    return ((stage * layout.dp + dp_rank) * layout.sp + sp_rank) * layout.tp + tp_rank
+def _rank(layout: Layout, stage: int, dp_rank: int = 0, tp_rank: int = 0, ulysses_rank: int = 0) -> int:
+    """Megatron's order with Ulysses inside DP: rank = ((stage * DP + dp) * SP + u) * TP + tp."""
+    return ((stage * layout.dp + dp_rank) * layout.ulysses + ulysses_rank) * layout.tp + tp_rank
 
 
 def _shard_rank(layout: Layout, stage: int, d: int) -> int:
     """The ``d``-th rank (TP rank 0) of the SP x DP group of ``stage``, where ZeRO shards and gradients reduce."""
-    return _rank(layout, stage, d // layout.sp, 0, d % layout.sp)
+    return _rank(layout, stage, d // layout.ulysses, 0, d % layout.ulysses)
 
 
 def ulysses_all_to_all_bytes(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     """(QKV, context) bytes this rank sends into each of a layer's two Ulysses all-to-alls, per micro-batch."""
-    u, t = layout.sp, layout.tp
+    u, t = layout.ulysses, layout.tp
     tokens = model.seq_length // u * layout.micro_batch_size
     d, a = model.head_dim, layout.dtype_bytes
     qkv = tokens * (model.num_attention_heads + 2 * model.num_key_value_heads) // t * d * a
@@ -200,7 +200,7 @@ def _norm_tensors(model: ModelConfig) -> int:
     return 2 if model.normalization == "layernorm" else 1
 
 
-def _sp_replicated_params(model: ModelConfig, moe: bool = False) -> int:
+def _seq_par_replicated_params(model: ModelConfig, moe: bool = False) -> int:
     """Gradient all-reduces per layer under SP, each of ``h`` elements: norm weights/biases, row-parallel biases (an
     MoE layer has no dense MLP: the projection's only)."""
     return 2 * _norm_tensors(model) + ((1 if moe else 2) if model.add_bias_linear else 0)
@@ -239,23 +239,23 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
         # Full recompute replays the layer's forward, but torch's non-reentrant checkpoint stops once the last
         # saved tensor is rebuilt: FC2's output collective (nothing saves its result) is not replayed.
         replay = 1 if layout.recompute_granularity == "full" else 0
-        sp = layout.sequence_parallel
+        seq_par = layout.sequence_parallel
         # An MoE layer has the attention's collectives only (its gate and dispatch run on replicated tokens); under
         # SP it gathers the sequence in forward (replayed) and its split's gradient in backward: as many gathers.
-        if sp:
+        if seq_par:
             add("tp", "all_gather", "layers", m * len(experts) * (4 + 2 * replay), act, tp_ranks)
             add("tp", "reduce_scatter", "layers", m * (n_dense * (4 + replay) + n_moe * (2 + replay)), act, tp_ranks)
-            add("tp", "all_reduce", "sp param grads", m * (n_dense * _sp_replicated_params(model)
-                                                         + n_moe * _sp_replicated_params(model, moe=True)), h * a,
+            add("tp", "all_reduce", "seq-par param grads", m * (n_dense * _seq_par_replicated_params(model)
+                                                         + n_moe * _seq_par_replicated_params(model, moe=True)), h * a,
                 tp_ranks)
         else:
             add("tp", "all_reduce", "layers", m * (n_dense * (4 + replay) + n_moe * (2 + replay)), act, tp_ranks)
         if stage == 0:
             add("tp", "all_reduce", "embedding", m, act, tp_ranks)
-            if sp:
+            if seq_par:
                 add("tp", "all_gather", "embedding", m, act, tp_ranks)
         if stage == layout.pp - 1:
-            if sp:
+            if seq_par:
                 add("tp", "all_gather", "output layer", m, act, tp_ranks)
                 add("tp", "reduce_scatter", "output layer", m, act, tp_ranks)
                 add("tp", "all_reduce", "final norm grads", m * _norm_tensors(model), h * a, tp_ranks)
@@ -264,12 +264,12 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
             add("tp", "all_reduce", "cross entropy max", m, 4 * s * b, tp_ranks)
             add("tp", "all_reduce", "cross entropy sum", m, 8 * s * b, tp_ranks)
 
-    if layout.sp > 1:
-        sp_ranks = [_rank(layout, stage, 0, 0, j) for j in range(layout.sp)]
+    if layout.ulysses > 1:
+        ulysses_ranks = [_rank(layout, stage, 0, 0, j) for j in range(layout.ulysses)]
         n_layers = layout.stage_layers(model.num_layers)[stage]
         passes = 2 + (1 if layout.recompute_granularity == "full" else 0)  # forward, backward, replayed forward
         for payload in ulysses_all_to_all_bytes(model, layout):
-            add("sp", "all_to_all", "attention", m * n_layers * passes, payload, sp_ranks)
+            add("ulysses", "all_to_all", "attention", m * n_layers * passes, payload, ulysses_ranks)
 
     for n in sorted(set(experts) - {1}):
         moe_layer_collectives(add, model, layout, n, experts.count(n), tp_ranks,
@@ -277,7 +277,7 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
 
     stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
-        p2p = act / (t if layout.sequence_parallel else 1) / layout.sp
+        p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
         if stage < layout.pp - 1:
             add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
         if stage > 0:

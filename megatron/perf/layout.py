@@ -45,8 +45,8 @@ class Layout(ParallelConfig):
     @classmethod
     def of(cls, tp: int = 1, pp: int = 1, dp: int = 1, **fields) -> Layout:
         """The layout of TP x PP x DP ranks (x ``ds_sequence_parallel_size`` among ``fields``, default 1)."""
-        sp = fields.get("ds_sequence_parallel_size", 1)
-        return cls(world_size=tp * pp * sp * dp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        ulysses = fields.get("ds_sequence_parallel_size", 1)
+        return cls(world_size=tp * pp * ulysses * dp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                    **fields)
 
     @classmethod
@@ -64,7 +64,7 @@ class Layout(ParallelConfig):
     @property
     def shard_dp(self) -> int:
         """Ranks ZeRO partitions over and gradients are reduced over: SP x DP."""
-        return self.sp * self.dp
+        return self.ulysses * self.dp
 
     @property
     def expert_dp(self) -> int:
@@ -103,7 +103,7 @@ class Layout(ParallelConfig):
     def validate_for(self, model: ModelConfig) -> None:
         """Checks that need the model shape: TP divides heads and widths, PP has layers to split."""
         model.validate(self.tp)
-        u = self.sp
+        u = self.ulysses
         if u > 1 and ((model.num_key_value_heads // self.tp) % u or (model.num_attention_heads // self.tp) % u
                       or model.seq_length % (u * (self.tp if self.sequence_parallel else 1))):
             raise ConfigError(f"--ds-sequence-parallel-size {u} cannot split this model's heads per TP rank or its "
@@ -127,8 +127,8 @@ class Layout(ParallelConfig):
             extras.append(f"recompute={self.recompute_granularity}")
         if self.zero_hpz_partition_size:
             extras.append(f"hpZ={self.zero_hpz_partition_size}")
-        if self.sp > 1:
-            extras.append(f"Ulysses SP={self.sp}")
+        if self.ulysses > 1:
+            extras.append(f"Ulysses SP={self.ulysses}")
         if self.zero_hierarchy:
             extras.append("hierarchical ZeRO" + (" int8" if self.zero_hierarchy_int8 else ""))
         if self.ep > 1:

@@ -139,7 +139,7 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
         scores = nh * s * s * b * (a + (a + 1 if drop else 0)) / t
     # DeepSpeed-Ulysses: every saved tensor holds 1/SP of the sequence, or (inside attention: Q, K, V, the
     # scores) the whole sequence for 1/SP of the heads; both are 1/SP of the bytes.
-    return (outside + inside + scores) / layout.sp
+    return (outside + inside + scores) / layout.ulysses
 
 
 def zero3_kept_parameters(stage_params: float, reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
@@ -186,17 +186,17 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     n_layers = layout.stage_layers(model.num_layers)[stage]
     per_layer = activation_bytes_per_layer(model, layout)
     if layout.recompute_granularity == "full":
-        checkpoint = s * b * h * a / (t if layout.sequence_parallel else 1) / layout.sp
+        checkpoint = s * b * h * a / (t if layout.sequence_parallel else 1) / layout.ulysses
         terms["activations"] = n_layers * checkpoint * in_flight + per_layer
     else:
         terms["activations"] = n_layers * per_layer * in_flight
-    sp_div = (t if layout.sequence_parallel else 1) * layout.sp
+    seq_div = (t if layout.sequence_parallel else 1) * layout.ulysses
     if stage == 0 and model.hidden_dropout > 0:
-        terms["embedding_activations"] = s * b * h * 1 / sp_div * in_flight  # embedding dropout mask
+        terms["embedding_activations"] = s * b * h * 1 / seq_div * in_flight  # embedding dropout mask
     if stage == layout.pp - 1:
         v = model.padded_vocab_size(t)
         # final-norm input and output-layer input, then logits: 16-bit output + fp32 softmax for the backward.
-        terms["logits"] = 2 * s * b * h * a / sp_div + s * b * (v / t) * (a + 4) / layout.sp
+        terms["logits"] = 2 * s * b * h * a / seq_div + s * b * (v / t) * (a + 4) / layout.ulysses
     if z >= 1:
         # The optimizer step runs after the activations are freed, so its transient only counts above them.
         in_backward = sum(terms[k] for k in ("activations", "embedding_activations", "logits", "zero3_gathered"))

@@ -25,13 +25,13 @@ def _candidates(model: ModelConfig, layout: Layout) -> list[tuple[str, str, dict
     while mbs >= 1:
         out.append(("mbs", f"--micro-batch-size {mbs}", {"micro_batch_size": mbs}))
         mbs //= 2
-    world, sp = layout.world_size, layout.sp
+    world, ulysses = layout.world_size, layout.ulysses
     for tp in (2, 4, 8):  # the same ranks: DP follows
-        if tp > layout.tp and world % (tp * layout.pp * sp) == 0:
+        if tp > layout.tp and world % (tp * layout.pp * ulysses) == 0:
             out.append(("tp", f"--tensor-model-parallel-size {tp}", {"tensor_model_parallel_size": tp}))
     pp = layout.pp * 2
     while pp <= min(model.num_layers, world):
-        if world % (layout.tp * pp * sp) == 0:
+        if world % (layout.tp * pp * ulysses) == 0:
             out.append(("pp", f"--pipeline-model-parallel-size {pp}", {"pipeline_model_parallel_size": pp}))
         pp *= 2
     return out

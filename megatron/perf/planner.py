@@ -107,13 +107,13 @@ def _batch_layouts(model: ModelConfig, tp: int, pp: int, u: int, dp: int, global
             if zero == 3 and model.moe.enabled:
                 continue  # DeepSpeed's ZeRO-3 does not shard experts: refused
             for rc in space.recompute_granularity:
-                for sp in space.sequence_parallel if tp > 1 else (False,):
-                    if sp and u > 1 and model.seq_length % (u * tp):
+                for seq_par in space.sequence_parallel if tp > 1 else (False,):
+                    if seq_par and u > 1 and model.seq_length % (u * tp):
                         continue
                     for ep in _expert_parallel_sizes(model, dp * u, space):
                         out.append(Layout.of(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
                                              global_batch_size=global_batch_size, zero_stage=zero,
-                                             sequence_parallel=sp, recompute_granularity=rc,
+                                             sequence_parallel=seq_par, recompute_granularity=rc,
                                              flash_attention=space.flash_attention, dtype=space.dtype,
                                              ds_sequence_parallel_size=u, moe_expert_parallel_size=ep))
     return out

@@ -115,7 +115,7 @@ def stage_flops_per_microbatch(model: ModelConfig, layout: Layout, stage: int) -
     if stage == layout.pp - 1:
         per_token += 3 * logits_f
     # DeepSpeed-Ulysses: 1/SP of the tokens outside attention, 1/SP of the heads (whole sequence) inside it.
-    return per_token * model.seq_length * layout.micro_batch_size / layout.tp / layout.sp
+    return per_token * model.seq_length * layout.micro_batch_size / layout.tp / layout.ulysses
 
 
 def _worst_middle_stage(layout: Layout) -> int | None:
@@ -148,7 +148,7 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
         comms[stage] = comm
         compute = stage_flops_per_microbatch(model, layout, stage) / (efficiency * peak)
         # TP collectives, Ulysses' and the experts' all-to-alls: inside every layer, on the critical path
-        tp = comm.seconds(groups=("tp", "sp", "ep")) / m
+        tp = comm.seconds(groups=("tp", "ulysses", "ep")) / m
         pp = comm.seconds(groups=("pp",)) / m
         t_mb = compute + tp + pp
         if best is None or t_mb > best[0]:

@@ -25,9 +25,9 @@ def sequence_parallel_links(run: RunConfig, ranks_per_node: int = GCDS_PER_NODE)
     for ``ranks_per_node`` consecutive ranks per node under closest binding."""
     p = run.parallel
     placements = frontier_placement(p.world_size, min(ranks_per_node, p.world_size))
-    reports = group_reports(placements, p.tp, p.pp, p.sp)
-    return (f"  DeepSpeed-Ulysses SP={p.sp}: all-to-alls over {reports['sp'].summary()}; "
-            f"gradients and ZeRO shards over {reports['sdp'].summary()}")
+    reports = group_reports(placements, p.tp, p.pp, p.ulysses)
+    return (f"  DeepSpeed-Ulysses SP={p.ulysses}: all-to-alls over {reports['ulysses'].summary()}; "
+            f"gradients and ZeRO shards over {reports['ulysses_dp'].summary()}")
 
 
 def _size(nbytes: float) -> str:
@@ -45,13 +45,13 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     parts = partition(m, p.pp, partition_method, p.tp, p.ep if m.moe.enabled else 1)
     per_spec = spec_parameters(m, p.tp, p.ep if m.moe.enabled else 1)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
-    ulysses = f" x SP {p.sp} (DeepSpeed-Ulysses)" if p.sp > 1 else ""
+    ulysses = f" x SP {p.ulysses} (DeepSpeed-Ulysses)" if p.ulysses > 1 else ""
     lines = [f"> layout: world {p.world_size} = TP {p.tp} x PP {p.pp}{ulysses} x DP {p.dp}; ZeRO-{p.zero_stage}; "
              f"{run.precision.name}; sequence parallel {p.sequence_parallel}; "
              f"recompute {m.recompute_granularity or 'none'}"
              f"{'' if m.recompute_num_layers is None else f' ({m.recompute_num_layers} layers per stage)'}; "
              f"{layout.num_microbatches} micro-batches per step", pstate.describe()]
-    if p.sp > 1:
+    if p.ulysses > 1:
         lines.append(sequence_parallel_links(run))
     engine = "pipeline engine (GPTModelPipe)" if p.pp > 1 else "plain engine (GPTModel)"
     lines.append(f"  stages ({engine}, partition {partition_method if p.pp > 1 else 'n/a'}):")

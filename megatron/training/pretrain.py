@@ -80,7 +80,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     PROGRESS.restart()
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
                                             rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
-                                            rt.master_port, rt.rendezvous_timeout_secs, sp=run.parallel.sp,
+                                            rt.master_port, rt.rendezvous_timeout_secs, ulysses=run.parallel.ulysses,
                                             track_collectives=tracks_collectives(rt),
                                             ep=run.parallel.ep if run.model.moe.enabled else None)
     rank = pstate.global_rank

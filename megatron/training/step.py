@@ -90,9 +90,9 @@ def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     extra = {"sample_index": batch["sample_index"]} if keyed else {}
     losses = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), **extra)  # [b, s]
     mask = batch.get("loss_mask")
-    sp = getattr(module, "sp", None)
-    if sp is not None and sp.size > 1:  # DeepSpeed-Ulysses: this rank's [b, s/SP] slice; mean over all of s
-        return sequence_mean(losses, mask, sp, getattr(module, "sequence_grad_scale", 1.0))
+    ulysses = getattr(module, "ulysses", None)
+    if ulysses is not None and ulysses.size > 1:  # DeepSpeed-Ulysses: this rank's [b, s/SP] slice; mean over all of s
+        return sequence_mean(losses, mask, ulysses, getattr(module, "sequence_grad_scale", 1.0))
     if mask is None:
         return losses.float().mean()
     mask = mask.float()

@@ -49,7 +49,7 @@ def data_streams(run: RunConfig, pstate: ParallelState, datasets: Callable, toke
         """This DP rank's micro-batches of ``dataset`` from sample ``first`` (--eod-mask-loss masks added); SP
         peers load the same micro-batches (same DP rank), then each keeps its slice of the sequence."""
         got = microbatches(dataset, first, t.micro_batch_size, dp.rank, dp.size, **loading)
-        return sequence_slices(got if eod is None else eod_loss_mask(got, eod), pstate.sp)
+        return sequence_slices(got if eod is None else eod_loss_mask(got, eod), pstate.ulysses)
 
     train = batches(train_ds, start)
     if pipelined:  # the engine pulls (tokens, (labels, mask)) micro-batches itself, gas of them per step

@@ -117,7 +117,7 @@ class ObserverCounter:
         return {op: n for (r, op), n in self.bytes.items() if r == tuple(ranks)}
 
 
-def build_run(tp: int, zero: int, sp: bool, mbs: int, gbs: int, model_kw: dict, recompute: str | None = None,
+def build_run(tp: int, zero: int, seq_par: bool, mbs: int, gbs: int, model_kw: dict, recompute: str | None = None,
               reduce_bucket_size: int | None = None):
     """(engine, data iterator, grad-accumulation steps, ParallelState, RunConfig) for a tiny fp32 GPT."""
     import deepspeed.comm as dist
@@ -136,12 +136,12 @@ def build_run(tp: int, zero: int, sp: bool, mbs: int, gbs: int, model_kw: dict, 
     model_cfg = named_model("debug", **kw)
     run = RunConfig(model=model_cfg,
                     parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=zero,
-                                            sequence_parallel=sp),
+                                            sequence_parallel=seq_par),
                     optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, clip_grad=1.0),
                     training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=10,
                                             seed=3))
     state = ParallelState.build(tp)
-    model = GPTModel(run.model, tp=state.tp, sequence_parallel=sp, init_seed=3)
+    model = GPTModel(run.model, tp=state.tp, sequence_parallel=seq_par, init_seed=3)
     ds = build_ds_config(run)
     # Partition every parameter under ZeRO-3, as the model assumes (the default keeps small ones whole).
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0

@@ -44,13 +44,13 @@ def _model(moe, **model):
                        moe=MoEConfig(num_experts=(4,), expert_interval=1, **moe), **model)
 
 
-def _run_config(world, tp, ep, zero, sp, moe, model=None):
+def _run_config(world, tp, ep, zero, seq_par, moe, model=None):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
 
     return RunConfig(
         model=_model(moe, **(model or {})),
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, zero_stage=zero,
-                                sequence_parallel=sp, moe_expert_parallel_size=ep),
+                                sequence_parallel=seq_par, moe_expert_parallel_size=ep),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=1, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=STEPS, seed=SEED),
     )
@@ -66,10 +66,10 @@ def _train(name):
     from megatron.training.batches import microbatches
     from megatron.training.step import train_step
 
-    tp, ep, zero, sp, moe, model = LAYOUTS[name]
-    run = _run_config(dist.get_world_size(), tp, ep, zero, sp, moe, model)
+    tp, ep, zero, seq_par, moe, model = LAYOUTS[name]
+    run = _run_config(dist.get_world_size(), tp, ep, zero, seq_par, moe, model)
     state = ParallelState.build(tp, ep_size=ep)
-    model = GPTModel(run.model, tp=state.tp, sequence_parallel=sp, init_seed=SEED, ep=state.ep)
+    model = GPTModel(run.model, tp=state.tp, sequence_parallel=seq_par, init_seed=SEED, ep=state.ep)
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, MBS, state.dp.rank, state.dp.size, "cpu")
     out = {"lm": [], "moe": [], "norm": []}
@@ -101,7 +101,7 @@ def _optimizer_state_bytes(optimizer, zero):
     return total
 
 
-def _layer_gradients(tp_size, ep_size, sp, moe):
+def _layer_gradients(tp_size, ep_size, seq_par, moe):
     """Every parameter's gradient of the model on this layout (each DP rank one micro-batch, reduced as DeepSpeed
     reduces: dense over DP, experts over their replicas, both divided by DP) against one process on all of them.
     Returns the worst relative difference, the number of parameters compared and the bytes of our collectives over
@@ -120,7 +120,7 @@ def _layer_gradients(tp_size, ep_size, sp, moe):
     cfg = _model(moe)
     state = ParallelState.build(tp_size, ep_size=ep_size)
     ref = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=SEED)
-    par = GPTModel(cfg, tp=state.tp, sequence_parallel=sp, init_seed=SEED, ep=state.ep)
+    par = GPTModel(cfg, tp=state.tp, sequence_parallel=seq_par, init_seed=SEED, ep=state.ep)
     data = microbatches(MockGPTDataset(100, SEQ, VOCAB, seed=3), 0, MBS, 0, 1, "cpu")
     batches = [next(data) for _ in range(state.dp.size)]  # rank d's micro-batch is the d-th
     total = sum(gpt_forward_step(ref, b) + ref.take_moe_loss() for b in batches) / len(batches)
@@ -160,8 +160,8 @@ def _worker(names):
 
     initialize_distributed("gloo")
     out = {name: _train(name) for name in names}
-    for key, (tp, ep, sp, moe) in GRADIENT_CASES.items():
-        out[key] = _layer_gradients(tp, ep, sp, moe)
+    for key, (tp, ep, seq_par, moe) in GRADIENT_CASES.items():
+        out[key] = _layer_gradients(tp, ep, seq_par, moe)
     return out
 
 
@@ -214,17 +214,17 @@ def _check_plan(results):
     bytes per rank exactly (ZeRO's padded partitions of the dense and expert groups), and, where the capacity is
     fixed, the bytes of every collective of ours over the TP and EP groups, op by op, exactly (also for the gradient
     cases: one micro-batch, the TP-split experts' and sequence parallelism's collectives)."""
-    for key, (tp, ep, sp, moe) in GRADIENT_CASES.items():
+    for key, (tp, ep, seq_par, moe) in GRADIENT_CASES.items():
         layout = Layout.of(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=MBS * 4 // tp, zero_stage=0,
-                           sequence_parallel=sp, dtype="fp32", moe_expert_parallel_size=ep)
+                           sequence_parallel=seq_par, dtype="fp32", moe_expert_parallel_size=ep)
         want = _predicted(_model(moe), layout, 1)
         for rank, res in enumerate(results):
             assert res[key][2] == want, (key, rank, res[key][2], want)
-    for name, (tp, ep, zero, sp, moe, model) in LAYOUTS.items():
+    for name, (tp, ep, zero, seq_par, moe, model) in LAYOUTS.items():
         cfg = _model(moe, **model)
         layout = Layout.of(tp=tp, pp=1, dp=4 // tp, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero,
-                           sequence_parallel=sp, recompute_granularity=model.get("recompute_granularity"), dtype="fp32",
-                           moe_expert_parallel_size=ep)
+                           sequence_parallel=seq_par, recompute_granularity=model.get("recompute_granularity"),
+                           dtype="fp32", moe_expert_parallel_size=ep)
         terms = estimate_memory(cfg, layout, overhead_bytes=0).terms
         want = _predicted(cfg, layout, STEPS)
         for rank, res in enumerate(results):

@@ -49,15 +49,15 @@ def _model():
                        make_vocab_size_divisible_by=64, **MODEL_KW)
 
 
-def _cfg(tp: int, zero: int, sp: bool = False, recompute: str | None = None, dp: int = 1) -> dict:
+def _cfg(tp: int, zero: int, seq_par: bool = False, recompute: str | None = None, dp: int = 1) -> dict:
     # 2 micro-batches per step: accumulated gradients live through the second forward, as in real training.
-    return {"tp": tp, "zero": zero, "sp": sp, "mbs": MBS, "gbs": 2 * MBS * dp, "model_kw": MODEL_KW,
+    return {"tp": tp, "zero": zero, "seq_par": seq_par, "mbs": MBS, "gbs": 2 * MBS * dp, "model_kw": MODEL_KW,
             "recompute": recompute, "reduce_bucket_size": BUCKET}
 
 
 def _layout(cfg: dict, world: int) -> Layout:
     return Layout.of(tp=cfg["tp"], pp=1, dp=world // cfg["tp"], micro_batch_size=cfg["mbs"],
-                     global_batch_size=cfg["gbs"], zero_stage=cfg["zero"], sequence_parallel=cfg["sp"],
+                     global_batch_size=cfg["gbs"], zero_stage=cfg["zero"], sequence_parallel=cfg["seq_par"],
                      recompute_granularity=cfg["recompute"], flash_attention=True, dtype="fp32")
 
 
@@ -112,7 +112,7 @@ def test_dp2_zero_0_1_2_3():
 
 @pytest.mark.timeout(600)
 def test_tp2_with_and_without_sequence_parallel():
-    configs = [_cfg(2, 0), _cfg(2, 1, sp=True), _cfg(2, 0, sp=True, recompute="full")]
+    configs = [_cfg(2, 0), _cfg(2, 1, seq_par=True), _cfg(2, 0, seq_par=True, recompute="full")]
     _check(run_distributed(probe_worker, 2, configs=configs), 2)
 
 

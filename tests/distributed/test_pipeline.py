@@ -34,7 +34,7 @@ MOE_VARIANTS = {
 }
 
 
-def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False, ep=1):
+def _run_config(variant, world, tp, pp, zero, recompute=None, seq_par=False, ep=1):
     from megatron.config import MoEConfig, OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
     from megatron.config.sizes import named_model
 
@@ -48,7 +48,7 @@ def _run_config(variant, world, tp, pp, zero, recompute=None, sp=False, ep=1):
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                zero_stage=zero, sequence_parallel=sp, moe_expert_parallel_size=ep),
+                                zero_stage=zero, sequence_parallel=seq_par, moe_expert_parallel_size=ep),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=GBS, train_iters=steps, seed=5),
     )
@@ -62,7 +62,7 @@ def reference_losses(variant):
     return reference_run(run, run.training.train_iters, dataset_size=1000)
 
 
-def _train_pipe(variant, tp, pp, zero, recompute=None, sp=False, ep=1):
+def _train_pipe(variant, tp, pp, zero, recompute=None, seq_par=False, ep=1):
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -72,7 +72,7 @@ def _train_pipe(variant, tp, pp, zero, recompute=None, sp=False, ep=1):
     from megatron.training.batches import microbatches
     from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 
-    run = _run_config(variant, dist.get_world_size(), tp, pp, zero, recompute, sp, ep)
+    run = _run_config(variant, dist.get_world_size(), tp, pp, zero, recompute, seq_par, ep)
     moe = run.model.moe.enabled
     state = ParallelState.build(tp, pp, ep_size=ep if moe else None)
     model = GPTModelPipe(run.model, state, sequence_parallel=run.parallel.sequence_parallel,

@@ -96,8 +96,8 @@ def _worker():
         tp = ParallelState.build(tp_size).tp
         out[("ce", tp_size)] = _compare_cross_entropy(tp)
         for variant in ("debug", "debug-llama"):
-            for sp in (False, True):
-                out[(variant, tp_size, sp)] = _compare_model(variant, tp, sp)
+            for seq_par in (False, True):
+                out[(variant, tp_size, seq_par)] = _compare_model(variant, tp, seq_par)
     return out
 
 

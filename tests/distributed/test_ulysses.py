@@ -24,7 +24,7 @@ def _model_cfg(variant):
     return cfg
 
 
-def _compare_model(variant, tp_size, sp_size, sequence_parallel):
+def _compare_model(variant, tp_size, ulysses_size, sequence_parallel):
     from megatron.core import comm
     from megatron.core.parallel_state import GroupInfo, ParallelState
     from megatron.core.ulysses import slice_batch
@@ -33,20 +33,20 @@ def _compare_model(variant, tp_size, sp_size, sequence_parallel):
     from tests.distributed.test_tensor_parallel import _shard
 
     cfg = _model_cfg(variant)
-    state = ParallelState.build(tp_size, sp_size=sp_size)
+    state = ParallelState.build(tp_size, ulysses_size=ulysses_size)
     ref = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=7)
-    par = GPTModel(cfg, tp=state.tp, sequence_parallel=sequence_parallel, init_seed=7, sp=state.sp)
+    par = GPTModel(cfg, tp=state.tp, sequence_parallel=sequence_parallel, init_seed=7, ulysses=state.ulysses)
     gen = torch.Generator().manual_seed(3)
     batch = {"text": torch.randint(0, cfg.vocab_size, (2, SEQ + 1), generator=gen),
              "loss_mask": (torch.rand(2, SEQ, generator=gen) > 0.3).float()}
     loss_ref = gpt_forward_step(ref, batch)
-    loss_par = gpt_forward_step(par, slice_batch(batch, state.sp))
+    loss_par = gpt_forward_step(par, slice_batch(batch, state.ulysses))
     loss_ref.backward()
     loss_par.backward()
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in par.named_parameters():
-        grad = comm.all_reduce(p.grad.clone(), state.sp.group)  # what DeepSpeed's SP x DP reduction sums
+        grad = comm.all_reduce(p.grad.clone(), state.ulysses.group)  # what DeepSpeed's SP x DP reduction sums
         g_ref = _shard(ref_params[name].grad, p, state.tp)
         worst = max(worst, (grad - g_ref).abs().max().item() / max(1.0, g_ref.abs().max().item()))
     return {"loss": abs(loss_ref.item() - loss_par.item()), "grad": worst, "nparams": len(ref_params)}
@@ -58,8 +58,8 @@ def _model_worker():
     initialize_distributed("gloo")
     out = {}
     for variant in ("debug", "debug-llama"):
-        for tp, sp, seq_par in ((1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True)):
-            out[(variant, tp, sp, seq_par)] = _compare_model(variant, tp, sp, seq_par)
+        for tp, ulysses, seq_par in ((1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True)):
+            out[(variant, tp, ulysses, seq_par)] = _compare_model(variant, tp, ulysses, seq_par)
     return out
 
 
@@ -73,13 +73,13 @@ def test_sp2_sp4_tp2sp2_loss_and_grads_match_single_process():
     assert results[0][("debug-llama", 2, 2, True)]["nparams"] > 10
 
 
-def _run_config(world, sp, zero, recompute=None, tp=1):
+def _run_config(world, ulysses, zero, recompute=None, tp=1):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
 
     model = _model_cfg("debug-llama").replace(recompute_granularity=recompute)
     return RunConfig(
         model=model,
-        parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=sp, zero_stage=zero,
+        parallel=ParallelConfig(world_size=world, ds_sequence_parallel_size=ulysses, zero_stage=zero,
                                 tensor_model_parallel_size=tp),
         # clip 0.5 is active: a gradient norm off by the SP factor would change the losses
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
@@ -87,7 +87,7 @@ def _run_config(world, sp, zero, recompute=None, tp=1):
     )
 
 
-def _train(sp, zero, recompute=None, tp=1):
+def _train(ulysses, zero, recompute=None, tp=1):
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -98,14 +98,14 @@ def _train(sp, zero, recompute=None, tp=1):
     from megatron.training.batches import microbatches
     from megatron.training.step import train_step
 
-    run = _run_config(dist.get_world_size(), sp, zero, recompute, tp)
-    state = ParallelState.build(tp, sp_size=sp)
-    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, sp=state.sp)
+    run = _run_config(dist.get_world_size(), ulysses, zero, recompute, tp)
+    state = ParallelState.build(tp, ulysses_size=ulysses)
+    model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, ulysses=state.ulysses)
     ds = build_ds_config(run)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # really partition tiny params
     engine = initialize_engine(model, run, state, ds)
     data = sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS, state.dp.rank,
-                                        state.dp.size, "cpu"), state.sp)
+                                        state.dp.size, "cpu"), state.ulysses)
     gas = run.training.grad_accumulation_steps(state.dp.size)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -158,22 +158,22 @@ def _train_pipe(variant, zero):
     from megatron.training.batches import microbatches
     from megatron.training.pipe_step import pipe_microbatches, pipe_train_step
 
-    run = _pipe_run_config(variant, dist.get_world_size(), pp=2, sp=2, zero=zero)
-    state = ParallelState.build(1, 2, sp_size=2)
+    run = _pipe_run_config(variant, dist.get_world_size(), pp=2, ulysses=2, zero=zero)
+    state = ParallelState.build(1, 2, ulysses_size=2)
     model = GPTModelPipe(run.model, state, init_seed=run.training.seed)
     engine = initialize_engine(model, run, state, build_ds_config(run))
     data = pipe_microbatches(sequence_slices(microbatches(MockGPTDataset(1000, SEQ, 250, seed=9), 0, MBS,
-                                                          state.dp.rank, state.dp.size, "cpu"), state.sp))
+                                                          state.dp.rank, state.dp.size, "cpu"), state.ulysses))
     steps = [pipe_train_step(engine, data) for _ in range(PIPE_STEPS)]
     return [r.loss for r in steps], [float(r.grad_norm) for r in steps]
 
 
-def _pipe_run_config(variant, world, pp, sp, zero):
+def _pipe_run_config(variant, world, pp, ulysses, zero):
     from megatron.config import OptimizerConfig, ParallelConfig, RunConfig, TrainingConfig
 
     return RunConfig(
         model=_model_cfg(variant).replace(num_layers=4),
-        parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=pp, ds_sequence_parallel_size=sp,
+        parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=pp, ds_sequence_parallel_size=ulysses,
                                 zero_stage=zero),
         optimizer=OptimizerConfig(lr=4e-3, min_lr=1e-3, lr_warmup_iters=2, clip_grad=0.5, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, train_iters=PIPE_STEPS, seed=5),

@@ -10,7 +10,7 @@ import torch
 
 
 def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
-    """For each config ({"tp", "sp", "recompute"}): bytes this rank sends into all-to-alls over its SP group
+    """For each config ({"tp", "ulysses", "recompute"}): bytes this rank sends into all-to-alls over its SP group
     during ``steps`` optimizer steps after a warm-up step, on the tiny Llama of tests/distributed/test_ulysses.py."""
     import dataclasses
 
@@ -30,18 +30,18 @@ def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     initialize_distributed("gloo")
     out = []
     for cfg in configs:
-        run = _run_config(dist.get_world_size(), cfg["sp"], 1, cfg.get("recompute"), cfg["tp"])
+        run = _run_config(dist.get_world_size(), cfg["ulysses"], 1, cfg.get("recompute"), cfg["tp"])
         run = dataclasses.replace(run, training=dataclasses.replace(  # 2 micro-batches per step
             run.training, global_batch_size=2 * MBS * run.parallel.dp))
-        state = ParallelState.build(cfg["tp"], sp_size=cfg["sp"])
-        model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, sp=state.sp)
+        state = ParallelState.build(cfg["tp"], ulysses_size=cfg["ulysses"])
+        model = GPTModel(run.model, tp=state.tp, init_seed=run.training.seed, ulysses=state.ulysses)
         engine = initialize_engine(model, run, state, build_ds_config(run))
         data = sequence_slices(microbatches(MockGPTDataset(100, SEQ, 250, seed=9), 0, MBS, state.dp.rank,
-                                            state.dp.size, "cpu"), state.sp)
+                                            state.dp.size, "cpu"), state.ulysses)
         gas = run.training.grad_accumulation_steps(state.dp.size)
         train_step(engine, data, gas)
         sent = [0]
-        ranks = state.sp.ranks
+        ranks = state.ulysses.ranks
 
         def observe(op: str, nbytes: int, group, ranks=ranks, sent=sent) -> None:
             if op == "all_to_all" and group is not None and dist.get_all_ranks_from_group(group) == ranks:
@@ -55,12 +55,12 @@ def count_all_to_all(configs: list[dict], steps: int = 2) -> list[int]:
     return out
 
 
-def measure(configs: list[dict], sp_sizes: list[int], model_kw: dict, steps: int = 2) -> tuple[list[int], dict]:
+def measure(configs: list[dict], ulysses_sizes: list[int], model_kw: dict, steps: int = 2) -> tuple[list[int], dict]:
     """Both measurements in one set of processes (``count_all_to_all``, then ``saved_bytes``)."""
-    return count_all_to_all(configs, steps), saved_bytes(sp_sizes, model_kw)
+    return count_all_to_all(configs, steps), saved_bytes(ulysses_sizes, model_kw)
 
 
-def _models(sp_sizes: list[int], model_kw: dict, micro_batch: int):
+def _models(ulysses_sizes: list[int], model_kw: dict, micro_batch: int):
     """(SP, a GPT-2 with ``model_kw`` over an SP group of that size, this rank's slice of one micro-batch) per SP;
     each model is dropped before the next is built. SP=1 runs on every rank alone (no collective)."""
     from megatron.core.parallel_state import GroupInfo, ParallelState
@@ -72,15 +72,15 @@ def _models(sp_sizes: list[int], model_kw: dict, micro_batch: int):
                       make_vocab_size_divisible_by=64, **model_kw)
     gen = torch.Generator().manual_seed(1)
     batch = {"text": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length + 1), generator=gen)}
-    for sp in sp_sizes:
-        group = GroupInfo([0], 0, None) if sp == 1 else ParallelState.build(1, sp_size=sp).sp
-        model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=3, sp=group)
-        yield sp, model, slice_batch(batch, group)
+    for ulysses in ulysses_sizes:
+        group = GroupInfo([0], 0, None) if ulysses == 1 else ParallelState.build(1, ulysses_size=ulysses).ulysses
+        model = GPTModel(cfg, tp=GroupInfo([0], 0, None), init_seed=3, ulysses=group)
+        yield ulysses, model, slice_batch(batch, group)
         del model
         gc.collect()
 
 
-def saved_bytes(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, int]:
+def saved_bytes(ulysses_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, int]:
     """{SP: bytes of the activations this rank keeps for backward in one micro-batch's forward} of a GPT-2
     (learned positions) with ``model_kw``."""
     from megatron.initialize import initialize_distributed
@@ -88,20 +88,20 @@ def saved_bytes(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> di
     from megatron.training.step import gpt_forward_step
 
     initialize_distributed("gloo")
-    return {sp: saved_activation_bytes(model, lambda m=model, p=part: gpt_forward_step(m, p))
-            for sp, model, part in _models(sp_sizes, model_kw, micro_batch)}
+    return {ulysses: saved_activation_bytes(model, lambda m=model, p=part: gpt_forward_step(m, p))
+            for ulysses, model, part in _models(ulysses_sizes, model_kw, micro_batch)}
 
 
-def activation_memory(sp_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, tuple[int, int]]:
+def activation_memory(ulysses_sizes: list[int], model_kw: dict, micro_batch: int = 1) -> dict[int, tuple[int, int]]:
     """{SP: (saved activation bytes, peak rise of allocated CPU bytes over one forward + backward)} on this rank;
     the peak comes from torch.profiler's allocation records (tests/distributed/perf_probe.py peak_over)."""
     from megatron.training.step import gpt_forward_step
     from tests.distributed.perf_probe import peak_over
 
-    saved = saved_bytes(sp_sizes, model_kw, micro_batch)
+    saved = saved_bytes(ulysses_sizes, model_kw, micro_batch)
     out = {}
-    for sp, model, part in _models(sp_sizes, model_kw, micro_batch):
+    for ulysses, model, part in _models(ulysses_sizes, model_kw, micro_batch):
         gpt_forward_step(model, part).backward()  # warm-up: .grad buffers exist before the measured pass
         peak, _, _ = peak_over(lambda m=model, p=part: gpt_forward_step(m, p).backward())
-        out[sp] = (saved[sp], peak)
+        out[ulysses] = (saved[ulysses], peak)
     return out

@@ -14,7 +14,7 @@ def test_sp2_cli_matches_sp1():
     assert 10 in ref and 10 in got, (ref, got)
     assert abs(got[10] - ref[10]) <= 1e-4 * abs(ref[10]), (got[10], ref[10])
     assert len({round(v, 4) for v in ref.values()}) > 5  # the run trains, so agreement is not trivial
-    assert "SP groups (1 of size 2): [0, 1]" in sp2, sp2[:3000]  # rank 0's layout report names them
+    assert "ULYSSES groups (1 of size 2): [0, 1]" in sp2, sp2[:3000]  # rank 0's layout report names them
 
 
 def test_sp_that_cannot_split_the_kv_heads_is_refused_before_the_process_group():

@@ -50,7 +50,7 @@ def test_tp_sequence_parallel_gathers_and_scatters():
     assert (ag.calls, rs.calls, ag.payload_bytes, ag.tier) == (4 * L * 4, 4 * L * 4, act, "node")
     assert ag.wire_bytes == pytest.approx(ag.calls * act * 3 / 4)  # (n-1)/n
     # Two LayerNorms (weight + bias) and two row-parallel biases: 6 gradient all-reduces of h per layer.
-    norms = by(est, "tp", "all_reduce", "sp param grads")
+    norms = by(est, "tp", "all_reduce", "seq-par param grads")
     assert (norms.calls, norms.payload_bytes) == (4 * L * 6, H * 2)
     assert by(est, "tp", "all_reduce", "final norm grads").calls == 4 * 2
     assert by(est, "tp", "all_gather", "output layer").calls == 4
@@ -78,9 +78,9 @@ def test_pp_sends_per_stage():
     emb = by(first, "embedding", "all_reduce")
     assert (emb.calls, emb.payload_bytes, emb.group_size) == (1, 256 * H * 2, 2)
     assert not [c for c in middle.collectives if c.group == "embedding"]
-    sp = estimate_comm(M, layout(tp=2, pp=2, dp=2, sequence_parallel=True), 0)
-    assert by(sp, "pp", "send", "activations").payload_bytes == act / 2
-    assert by(sp, "pp", "send", "activations").tier == "node"
+    seq_par = estimate_comm(M, layout(tp=2, pp=2, dp=2, sequence_parallel=True), 0)
+    assert by(seq_par, "pp", "send", "activations").payload_bytes == act / 2
+    assert by(seq_par, "pp", "send", "activations").tier == "node"
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -72,11 +72,11 @@ def test_fp32_states_and_overhead():
     assert est.total == pytest.approx(sum(est.terms.values()))
 
 
-def korthikanti(s, b, h, a, t, sp=False, selective=False):
+def korthikanti(s, b, h, a, t, seq_par=False, selective=False):
     """The paper's per-layer formulas (bytes, 16-bit activations), typed in from Section 4 / Table 2."""
-    if sp and selective:
+    if seq_par and selective:
         return s * b * h * 34 / t
-    if sp:
+    if seq_par:
         return s * b * h / t * (34 + 5 * a * s / h)
     if selective:
         return s * b * h * (10 + 24 / t)
@@ -84,15 +84,15 @@ def korthikanti(s, b, h, a, t, sp=False, selective=False):
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
-@pytest.mark.parametrize("sp", [False, True])
-def test_activations_match_korthikanti(t, sp):
+@pytest.mark.parametrize("seq_par", [False, True])
+def test_activations_match_korthikanti(t, seq_par):
     m = named_model("gpt-22b")
     s, b, h, a = 2048, 2, 6144, 48
-    kw = {"tp": t, "dp": 1, "micro_batch_size": b, "global_batch_size": b, "sequence_parallel": sp}
+    kw = {"tp": t, "dp": 1, "micro_batch_size": b, "global_batch_size": b, "sequence_parallel": seq_par}
     no_flash = activation_bytes_per_layer(m, layout(flash_attention=False, **kw))
-    assert no_flash == pytest.approx(korthikanti(s, b, h, a, t, sp=sp and t > 1))
+    assert no_flash == pytest.approx(korthikanti(s, b, h, a, t, seq_par=seq_par and t > 1))
     selective = activation_bytes_per_layer(m, layout(recompute_granularity="selective", **kw))
-    assert selective == pytest.approx(korthikanti(s, b, h, a, t, sp=sp and t > 1, selective=True))
+    assert selective == pytest.approx(korthikanti(s, b, h, a, t, seq_par=seq_par and t > 1, selective=True))
     # Flash attention keeps only an fp32 log-sum-exp per query row instead of the s x s tensors.
     flash = activation_bytes_per_layer(m, layout(**kw))
     assert flash == pytest.approx(selective + 4 * a * s * b / t)
