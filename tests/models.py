@@ -63,7 +63,7 @@ GPT_L1 = Model(1, 16, 2)
 LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--num-key-value-heads", "2"]
 """The Llama variant's architecture flags (on any shape with heads divisible by 2)."""
-MOE = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-experts", "4",
+TINY_MOE = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-experts", "4",
        "--expert-interval", "2", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
        "--moe-train-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--create-moe-param-group"]
 """The MoE model of the upstream MoE fixtures (tests/fixtures/upstream_ckpt/make_fixtures.sh: the same flags)."""
@@ -88,6 +88,10 @@ CAMPAIGN_GPT = Model(2, 32, 4, 16, 200, 32).flags() + [
     "--max-position-embeddings", "16", "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7",
     "--peak-tflops", "1", "--save-interval", "100000"]
 """What the campaign tests append to examples/frontier/smoke_1node.sbatch's flags (the script gives the rest)."""
+SCHEDULE_GPT = Model(1, 16, 2, None, 64, 16).flags() + ["--mock-data", "--log-interval", "1", "--eval-iters", "0",
+                                                      "--use-cpu-initialization"]
+"""The upstream LR-log comparison's run (tests/functional/test_lr_log_upstream.py: each case gives its batch, length
+and schedule)."""
 CONFIG_GPT = GPT_H32.flags() + ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
                                 "--train-iters", "4", "--mock-data", "--vocab-size", "200"]
 """Flags that configure (parse and validate) without training: the config unit tests'."""

@@ -12,9 +12,10 @@ Nothing here imports torch at import time: tests/gpu/quick's orchestrator uses i
 """
 
 from tests.launch.cli import losses, pretrain_command, run_pretrain
-from tests.launch.env import PRETRAIN, REPO, clean_env, free_port, rank_env
+from tests.launch.env import MPI_AND_SLURM, PRETRAIN, REPO, clean_env, free_port, rank_env
 from tests.launch.functions import Outcome, run_distributed, run_to_exit
 from tests.launch.processes import TIMED_OUT, Ranks, run_command, start_ranks
 
-__all__ = ["PRETRAIN", "REPO", "TIMED_OUT", "Outcome", "Ranks", "clean_env", "free_port", "losses", "pretrain_command",
-           "rank_env", "run_command", "run_distributed", "run_pretrain", "run_to_exit", "start_ranks"]
+__all__ = ["MPI_AND_SLURM", "PRETRAIN", "REPO", "TIMED_OUT", "Outcome", "Ranks", "clean_env", "free_port", "losses",
+           "pretrain_command", "rank_env", "run_command", "run_distributed", "run_pretrain", "run_to_exit",
+           "start_ranks"]

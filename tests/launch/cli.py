@@ -13,25 +13,27 @@ from tests.launch.processes import run_command
 _LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| lm loss: ([0-9.E+-]+)")
 
 
-def pretrain_command(nproc: int, args: list[str], code: str | None = None) -> list[str]:
+def pretrain_command(nproc: int, args: list[str], code: str | None = None, torchrun: bool | None = None) -> list[str]:
     """``python pretrain_gpt.py args`` (``code``: ``python -c code args``, a test program standing for it) on one
-    process; for more, the same under torchrun on a free port."""
+    process; for more (or with ``torchrun`` True), the same under torchrun on a free port."""
     program = ["-c", code] if code else [PRETRAIN]
-    if nproc == 1:
+    if not (nproc > 1 if torchrun is None else torchrun):
         return [sys.executable, *program, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
             str(free_port()), *program, *args]
 
 
 def run_pretrain(nproc: int, args: list[str], timeout: float = 300.0, env: dict[str, str] | None = None,
-                 check: bool = True, code: str | None = None, cwd: str = REPO) -> subprocess.CompletedProcess:
-    """``pretrain_command(nproc, args, code)`` run to its end (at most ``timeout`` s: then killed with its workers,
-    return code 124). Environment: ``clean_env`` (one process rendezvouses on a free MASTER_PORT, as a user's run
-    does on its default), then ``env`` (a launcher variable in it stays, for one process). ``check``: a non-zero
-    exit raises AssertionError with the end of stderr."""
-    extra = {"MASTER_PORT": str(free_port())} if nproc == 1 else {}
-    extra.update({k: v for k, v in (env or {}).items() if nproc == 1 or k not in LAUNCHER_VARS})
-    cmd = pretrain_command(nproc, args, code)
+                 check: bool = True, code: str | None = None, cwd: str = REPO,
+                 torchrun: bool | None = None) -> subprocess.CompletedProcess:
+    """``pretrain_command(nproc, args, code, torchrun)`` run to its end (at most ``timeout`` s: then killed with
+    its workers, return code 124). Environment: ``clean_env``, a free MASTER_PORT for a process that is the one
+    rank (a user's run has the default port to itself; tests share the host), then ``env`` (a launcher variable in
+    it stays there, for such a process). ``check``: a non-zero exit raises AssertionError with the end of stderr."""
+    cmd = pretrain_command(nproc, args, code, torchrun)
+    alone = cmd[1] != "-m"  # without torchrun the process is the one rank
+    extra = {"MASTER_PORT": str(free_port())} if alone else {}
+    extra.update({k: v for k, v in (env or {}).items() if alone or k not in LAUNCHER_VARS})
     proc = run_command(cmd, timeout, env=clean_env(extra), cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd[-len(args) - 1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

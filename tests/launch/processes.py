@@ -61,6 +61,10 @@ def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
 
 
+def _one_process(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"MASTER_PORT": str(port)}
+
+
 class Ranks:
     """The processes ``start_ranks`` started: ``ranks[r]`` is rank r's Popen. A ``with`` block kills any still
     running at its end."""
@@ -123,12 +127,13 @@ class Ranks:
 
 def start_ranks(world: int, cmd: list[str], out_dir: str | None = None, env: dict[str, str] | None = None,
                 environ: dict[str, str] | None = None,
-                rank_vars: Callable[[int, int, int], dict[str, str]] = rank_env,
-                cwd: str = REPO) -> Ranks:
+                rank_vars: Callable[[int, int, int], dict[str, str]] | None = None, cwd: str = REPO) -> Ranks:
     """``world`` processes of ``cmd``. Rank r's environment: ``environ`` (default ``clean_env()``), then
-    ``rank_vars(r, world, port)`` (default torchrun's, rendezvous on a free port), then ``env``. Its stdout and
-    stderr go to ``out_dir/rank{r}.out`` / ``.err``, or without ``out_dir`` to this process's."""
+    ``rank_vars(r, world, port)`` (default: torchrun's, rendezvous on a free port; one process gets only the port,
+    as a user's ``python pretrain_gpt.py``), then ``env``. Its stdout and stderr go to ``out_dir/rank{r}.out`` /
+    ``.err``, or without ``out_dir`` to this process's."""
     base = clean_env() if environ is None else environ
+    rank_vars = rank_vars or (rank_env if world > 1 else _one_process)
     port = free_port()
     procs = []
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                         "upstream_ckpt", "data")  # documents of the demo corpus, GPT-2 BPE with <|endoftext|>
