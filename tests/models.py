@@ -4,7 +4,7 @@ are one entry; a test whose numbers depend on its exact flags has its own entry 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ def replaced(flags: list[str], changes: dict[str, str]) -> list[str]:
 GPT_H64 = Model(2, 64, 4, 32)
 """The CLI and config tests' GPT."""
 GPT_H32 = Model(2, 32, 4, 16)
-"""The checkpoint, fault and campaign tests' GPT (and the config unit tests' smallest)."""
+"""The config unit tests' smallest GPT."""
+GPT_H32_V200 = Model(2, 32, 4, 16, 200, 32)
+"""The same with its vocabulary (200 tokens, padded to 224): the checkpoint, fault and campaign tests' GPT."""
 GPT_L4 = Model(4, 64, 4, 32)
 """Four layers: room for MoE layers (--expert-interval 2) and pipeline stages."""
 GPT_L1 = Model(1, 16, 2)
@@ -64,32 +66,31 @@ LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", 
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--num-key-value-heads", "2"]
 """The Llama variant's architecture flags (on any shape with heads divisible by 2)."""
 TINY_MOE = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-experts", "4",
-       "--expert-interval", "2", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
-       "--moe-train-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--create-moe-param-group"]
+            "--expert-interval", "2", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
+            "--moe-train-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--create-moe-param-group"]
 """The MoE model of the upstream MoE fixtures (tests/fixtures/upstream_ckpt/make_fixtures.sh: the same flags)."""
 
-# --- runs -----------------------------------------------------------------------------------------------------------
+# --- runs ---------------------------------------------------------------------------------------------------------
 TINY_GPT = GPT_H64.flags() + [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
     "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "0", "--use-cpu-initialization",
     "--hidden-dropout", "0", "--attention-dropout", "0"]
 """pretrain_gpt.py as the CLI tests run it (tests/functional, tests/gpu): 10 iterations, dropout 0."""
-CKPT_GPT = Model(2, 32, 4, 16, 200, 32).flags() + [
-    "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "1", "--mock-data",
-    "--log-interval", "1", "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7",
-    "--distributed-backend", "gloo"]
+CKPT_MODEL = GPT_H32_V200.flags() + ["--mock-data", "--log-interval", "1", "--eval-iters", "0",
+                                     "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo"]
+"""The checkpoint tests' GPT, logging, seed and backend, without batch sizes, learning rate or length (the ramp-up
+tests take theirs from tests/fixtures/lr_schedule)."""
+CKPT_GPT = CKPT_MODEL + ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters",
+                         "1"]
 """The checkpoint and fault tests' run (no --train-iters: each test gives its length)."""
 TINY_LLAMA = CKPT_GPT + LLAMA
-RAMPUP_GPT = Model(2, 32, 4, 16, 200, 32).flags() + [
-    "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7",
-    "--distributed-backend", "gloo"]
-"""CKPT_GPT without batch sizes or learning rate: the ramp-up fixtures give them (tests/fixtures/lr_schedule)."""
-CAMPAIGN_GPT = Model(2, 32, 4, 16, 200, 32).flags() + [
-    "--max-position-embeddings", "16", "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7",
-    "--peak-tflops", "1", "--save-interval", "100000"]
+"""The same run with the Llama architecture."""
+CAMPAIGN_GPT = GPT_H32_V200.flags() + ["--max-position-embeddings", "16", "--eval-iters", "0",
+                                       "--use-cpu-initialization", "--seed", "7", "--peak-tflops", "1",
+                                       "--save-interval", "100000"]
 """What the campaign tests append to examples/frontier/smoke_1node.sbatch's flags (the script gives the rest)."""
-SCHEDULE_GPT = Model(1, 16, 2, None, 64, 16).flags() + ["--mock-data", "--log-interval", "1", "--eval-iters", "0",
-                                                      "--use-cpu-initialization"]
+SCHEDULE_GPT = replace(GPT_L1, vocab_size=64, divisible_by=16).flags() + [
+    "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--use-cpu-initialization"]
 """The upstream LR-log comparison's run (tests/functional/test_lr_log_upstream.py: each case gives its batch, length
 and schedule)."""
 CONFIG_GPT = GPT_H32.flags() + ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",

@@ -16,10 +16,10 @@ import os
 import pytest
 
 from tests.launch import free_port, run_distributed
-from tests.models import RAMPUP_GPT
+from tests.models import CKPT_MODEL
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lr_schedule", "upstream_lr.json")
-TINY = RAMPUP_GPT
+TINY = CKPT_MODEL
 LAYOUTS = {"zero2-dp2": ["--zero-stage", "2"],
            "pipeline-pp2": ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 STOP = 5  # mid-ramp: the fixture's batches are 2, 2, 2, 2, 4, 4, 6, 6, 8, ...

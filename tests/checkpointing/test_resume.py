@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.checkpointing.common import check_resume_exact, pretrain_on
-from tests.models import CKPT_GPT, LLAMA
+from tests.models import CKPT_GPT, TINY_LLAMA
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 ITERS = ["--train-iters", "4"]
@@ -78,7 +78,7 @@ def test_pp2_tp2_llama_resume_export_and_reshard(tmp_path):
     save = str(tmp_path / "ckpt")
     # Vocab 256 needs no padding at TP=1 or 2: padded rows take part in our softmax but are dropped on export
     # (HF sees the true vocab) and zero-filled on resharding, so only then must the losses agree exactly.
-    args = CKPT_GPT + LLAMA + NO_DROPOUT + ["--zero-stage", "1", "--vocab-size", "256"] + ITERS
+    args = TINY_LLAMA + NO_DROPOUT + ["--zero-stage", "1", "--vocab-size", "256"] + ITERS
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     straight = pretrain_on(4, args + layout + ["--save", save, "--save-interval", "2"])["losses"]
     _point_latest(save, "global_step2")
