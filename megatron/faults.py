@@ -40,6 +40,8 @@ KEYS = ("rank", "phase", "iteration", "file", "action")
 
 @dataclass(frozen=True)
 class Fault:
+    """One fault: where it hits (phase, rank, iteration, file) and what it does (action and its argument)."""
+
     phase: str
     action: str
     arg: float | int | str | None = None

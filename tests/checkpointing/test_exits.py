@@ -90,7 +90,7 @@ def test_persistent_nan_stops_nonzero_without_saving_it(tmp_path):
     save = str(tmp_path)
     # lr 1e30 without clipping or warmup: iteration 1's loss is finite, its update makes every later loss NaN.
     args = TINY_GPT + ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0", "--save", save,
-                   "--save-interval", "1"]
+                       "--save-interval", "1"]
     proc = _run(args, timeout=80, check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

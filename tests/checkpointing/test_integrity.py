@@ -107,7 +107,7 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
     # One hierarchical ZeRO checkpoint (2 ranks, one node).
     hz = str(tmp_path / "hz")
     pretrain_on(2, CKPT_GPT + ["--zero-stage", "3", "--zero-hierarchy", "node,network", "--train-iters", "1",
-                           "--lr-warmup-iters", "0", "--save", hz])
+                               "--lr-warmup-iters", "0", "--save", hz])
     files = {"model": "mp_rank_00_model_states.pt", "optimizer": "zero_pp_rank_0_mp_rank_01_optim_states.pt",
              "layer": "layer_02-model_00-model_states.pt"}
     cases = {k: _damaged_copy(save, str(tmp_path / k), os.path.join("global_step2", n)) for k, n in files.items()}

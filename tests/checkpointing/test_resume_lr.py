@@ -37,7 +37,7 @@ def _save_then_resume(root: str, ports: list[int]) -> dict:
         save = f"{root}/{name}"
         run(CKPT_GPT + flags + ["--train-iters", str(N), "--save", save])
         out[name] = run(CKPT_GPT + flags + ["--train-iters", str(3 * N), "--load", save,
-                                        "--override-opt_param-scheduler"])
+                                            "--override-opt_param-scheduler"])
     return out
 
 

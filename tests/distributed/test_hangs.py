@@ -121,8 +121,9 @@ def test_ignored_hang_ends_at_the_groups_timeout_naming_the_rank(tmp_path):
     # end the wait; the ranks then publish their positions and the verdict still names the culprit. 0.25 minutes
     # keeps CI short; HANG_TEST_TIMEOUT_MINUTES=1 runs the one minute.
     minutes = float(os.environ.get("HANG_TEST_TIMEOUT_MINUTES", "0.25"))
-    argv = CKPT_GPT + ["--train-iters", "100000", "--hang-timeout", "0", "--distributed-timeout-minutes", str(minutes),
-                   "--num-workers", "0", "--watchdog-timeout-secs", "6"]  # 1 s beats: the verdict follows in seconds
+    argv = CKPT_GPT + ["--train-iters", "100000", "--hang-timeout", "0", "--distributed-timeout-minutes",
+                       str(minutes), "--num-workers", "0",
+                       "--watchdog-timeout-secs", "6"]  # 1 s beats: the verdict follows in seconds
     outcomes, save = _launch(tmp_path, 2, argv, "rank=1,phase=data,iteration=4,action=block",
                              timeout=60 * minutes + 240)
     line = _verdict(outcomes, save, r"rank 1 \(host \S+, GCD -\) is stuck in data for \d+ s at iteration 4, not in a "
@@ -137,7 +138,7 @@ def test_straggler_named_after_uniform_iterations_long_save_and_first_iteration(
     # 4 ranks on the CI machine's cores, rank 0 logging every iteration; a 4 s first iteration (rank 1) and a 4 s save
     # (rank 0) under --hang-timeout 2; 200 uniform iterations; then rank 2 computes 0.2 s more per step.
     argv = CKPT_GPT + ["--train-iters", "220", "--hang-timeout", "2", "--num-workers", "0", "--straggler-interval", "5",
-                   "--save-interval", "100"]
+                       "--save-interval", "100"]
     outcomes, save = _launch(tmp_path, 4, argv, "rank=1,phase=forward,iteration=1,action=sleep:4;"
                              "rank=0,phase=save,iteration=100,action=sleep:4;"
                              "rank=2,phase=forward,iteration=201+,action=spin:0.2", timeout=360)

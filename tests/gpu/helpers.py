@@ -1,9 +1,9 @@
 """What the GPU tests share: the CPU tests' argument lists made device-neutral, and loss comparisons.
 
-The GPU tests start pretrain_gpt.py through the CPU tests' own launchers (tests/functional/cli.py for
-subprocesses, tests/checkpointing/common.py for spawned ranks), so the code path is the one the CPU suite checks;
-only the process-group backend (the accelerator's own: NCCL/RCCL) and the kernel choice differ. The pure logic
-here is checked on CPU by tests/unit/test_gpu_suite_helpers.py.
+The GPU tests start pretrain_gpt.py through the CPU tests' own launcher (tests/launch/: ``run_pretrain`` for
+subprocesses, tests/checkpointing/common.py's helpers for function ranks), so the code path is the one the CPU suite
+checks; only the process-group backend (the accelerator's own: NCCL/RCCL) and the kernel choice differ. The pure
+logic here is checked on CPU by tests/unit/test_gpu_suite_helpers.py.
 """
 
 from __future__ import annotations
