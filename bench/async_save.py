@@ -120,7 +120,7 @@ def _measured_pretrain(argv: list[str], rate: float) -> dict:
 
 
 def _variant(kind: str, args, save_dir: str) -> dict:
-    from tests.launcher import run_distributed
+    from tests.launch import run_distributed
 
     argv = MODEL + ["--train-iters", str(args.iters)]
     if kind != "none":

@@ -27,7 +27,7 @@ NODES_20B, GBS_20B = 48, 1536
 
 def measure(steps: int, release_layers: bool) -> dict[str, list[dict]]:
     from tests.distributed.hzero_probe import worker
-    from tests.launcher import run_distributed
+    from tests.launch import run_distributed
 
     jobs = [{"mode": m, "steps": steps, "release_layers": release_layers} for m in MODES]
     per_rank = run_distributed(worker, world_size=WORLD, timeout=1200, jobs=jobs, ranks_per_node=RANKS_PER_NODE)

@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "RESULTS_pipeline.md"))
     args = ap.parse_args(argv)
-    from tests.launcher import run_distributed
+    from tests.launch import run_distributed
 
     load = os.getloadavg()[0]
     ranks = run_distributed(_worker, world_size=2, timeout=1800, steps=args.steps, microbatches=args.microbatches)

@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     from megatron.perf.layout import Layout
     from megatron.perf.memory import estimate_memory
     from tests.distributed.ulysses_probe import activation_memory
-    from tests.launcher import run_distributed
+    from tests.launch import run_distributed
 
     kw = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
           "num_attention_heads": args.num_attention_heads, "seq_length": args.seq_length,

@@ -36,7 +36,7 @@ _STEP = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 
 def step_ms(ranks: int, iters: int, extra: list[str]) -> float:
     sys.path.insert(0, REPO)
-    from tests.launcher import free_port
+    from tests.launch import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), os.path.join(REPO, "pretrain_gpt.py"), *MODEL, "--train-iters", str(iters), *extra]
@@ -76,7 +76,7 @@ def store_ops_per_s(clients: int, seconds: float = 5.0) -> float:
     import torch.distributed as tdist
 
     sys.path.insert(0, REPO)
-    from tests.launcher import free_port
+    from tests.launch import free_port
 
     port = free_port()
     master = tdist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)

@@ -1,6 +1,7 @@
 """Where this rank's main thread is: iteration, phase, the collective it waits in (with its sequence number in that
 group) and since when. The loop and the collective layer write it, the watchdog thread reads it (megatron/training/
-watchdog.py); a move costs one clock read and one tuple assignment: no collective, no host-device sync.
+watchdog.py); a move costs one clock read and one tuple assignment: no collective, no host-device sync. Each move is
+also where a test's injected fault fires (``faults``: megatron/faults.py, armed from MEGATRON_FAULT).
 
 A leaf module (stdlib only, the bottom layer): errors.run_cli reads it to name the phase an out-of-memory error hit.
 """
@@ -11,7 +12,10 @@ import os
 import socket
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from megatron.faults import Faults
 
 COMM = "comm"
 """The ``times`` key of the time spent inside collectives (waiting for peers included)."""
@@ -73,10 +77,12 @@ class Progress:
         self.identity = Identity(0, this_host(), "-")
         self.restart()
 
-    def restart(self) -> None:
+    def restart(self, faults: Faults | None = None) -> None:
         """A new training run in this process: phase "setup", no iteration yet (group counts stay: they follow the
-        process groups)."""
+        process groups). ``faults``: what a test injects as the run moves (MEGATRON_FAULT), or None."""
         self.position = Position(0, "setup", time.monotonic())
+        self.faults = faults
+        """Checked at each move: one attribute test when None (every run but a fault test's)."""
         self.times: dict[str, float] = {}
         """Phase -> seconds spent in it since the start; time inside collectives goes to ``COMM``."""
         self.first_iteration: int | None = None
@@ -96,6 +102,8 @@ class Progress:
         now = time.monotonic()
         p = self._charge(now)
         self.position = Position(p.iteration, phase, now)
+        if self.faults is not None:
+            self.faults.at(phase, self)
 
     def start_iteration(self, iteration: int) -> None:
         now = time.monotonic()
@@ -104,6 +112,8 @@ class Progress:
         self._iteration_start = now
         self._charge(now)
         self.position = Position(iteration, "step", now)
+        if self.faults is not None:
+            self.faults.at("step", self)
 
     def end_step(self) -> None:
         """The step (and its flags exchange) is done; what follows is logging (phase "log")."""
@@ -118,6 +128,8 @@ class Progress:
         n = self.counts.get(group, 0) + 1
         self.counts[group] = n
         self.position = Position(p.iteration, p.phase, now, (op, group, n))
+        if self.faults is not None:  # inside the collective: entered, and never left if the fault blocks
+            self.faults.at(op, self)
         return p
 
     def leave_collective(self, before: Position) -> None:

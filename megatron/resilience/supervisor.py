@@ -146,8 +146,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ saves
     def _save(self, it: int, consumed_samples: int) -> None:
-        PROGRESS.enter("save")
         began = time.monotonic()
+        PROGRESS.enter("save")  # after ``began``: a fault a test injects here (a slow save) is part of the save
         self._save_fn(it, consumed_samples, self.saver)
         if self.saver is None:  # a background save is measured at its commit (``_saved``, from the saver)
             self._saved(time.monotonic() - began, it)

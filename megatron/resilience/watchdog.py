@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,7 +49,8 @@ AUTO_FACTOR, AUTO_MIN_S, AUTO_CAP = 5.0, 30.0, 0.8
 """Automatic --hang-timeout: 5 x the slowest of the last steps, at least 30 s, at most 0.8 x the collective timeout."""
 
 
-def _die(msg: str) -> None:
+def exit_every_rank(msg: str) -> None:
+    """The line (a verdict, a lost rank) on stderr, then this process exits: every rank does the same."""
     sys.stderr.write(f"error: {msg}\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -86,8 +88,11 @@ def beat_interval(timeout: float, hang_timeout: float | None, world: int) -> flo
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, settings: WatchdogSettings, host: str, port: int,
-                 progress: Progress = PROGRESS) -> None:
+                 progress: Progress = PROGRESS, die: Callable[[str], None] = exit_every_rank) -> None:
+        """``die``: what a verdict does with its line (the process exits; a test of the protocol in one process
+        collects the lines instead)."""
         self.rank, self.world, self.s = rank, world_size, settings
+        self.die = die
         self.timeout = settings.timeout
         self.progress = progress
         self.interval = beat_interval(settings.timeout, settings.hang_timeout, world_size)
@@ -179,7 +184,7 @@ class Watchdog:
                     return
                 if self.rank == self.world - 1:  # rank 0's watcher in the ring records it
                     self._record(0, self._rank0_host, LOST_RANK, "lost rank 0: its rendezvous store stopped answering")
-                _die(f"lost rank 0 (its rendezvous store at {self.host}:{self.port} stopped answering: "
+                self.die(f"lost rank 0 (its rendezvous store at {self.host}:{self.port} stopped answering: "
                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); rank {self.rank} exits")
             now = time.monotonic()
             self._last_ok = now
@@ -197,7 +202,7 @@ class Watchdog:
                         f"{silent:.0f} s; rank {self.rank} exits")
                 if self.rank == self.world - 1:  # rank 0's watcher in the ring records it
                     self._record(0, self._rank0_host, LOST_RANK, line)
-                _die(line)
+                self.die(line)
 
     # --- dead ranks -----------------------------------------------------------------------------------------------
 
@@ -217,7 +222,7 @@ class Watchdog:
             self._request({"kind": "verdict", "line": line, "dump": []})
             self._linger()
         finally:
-            _die(line)
+            self.die(line)
 
     # --- stuck ranks ----------------------------------------------------------------------------------------------
 
@@ -273,7 +278,7 @@ class Watchdog:
                 if self.rank in req["dump"]:
                     self._dump_stacks(req["stacks"], req["line"])
                 self._linger()
-                _die(req["line"])
+                self.die(req["line"])
 
     def _snapshot(self) -> dict:
         p, ident = self.progress.position, self.progress.identity

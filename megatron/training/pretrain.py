@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from deepspeed.accelerator import get_accelerator
 
-from megatron import initialize, topology
+from megatron import faults, initialize, topology
 from megatron.checkpointing import Resume, open_checkpoint
 from megatron.checkpointing.support import check_supported as check_checkpoint_support
 from megatron.config import DataConfig, RunConfig
@@ -77,7 +77,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     preflight(run)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
     rt = run.runtime
-    PROGRESS.restart()
+    PROGRESS.restart(faults.from_environ())  # a test's MEGATRON_FAULT, armed for this run (docs/faults.md)
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,
                                             rt.distributed_backend, rt.distributed_timeout_minutes, rt.master_addr,
                                             rt.master_port, rt.rendezvous_timeout_secs, ulysses=run.parallel.ulysses,

@@ -14,14 +14,11 @@ import sys
 from pathlib import Path
 
 from tests.campaign import fakeslurm
-from tests.launcher import free_port
+from tests.launch import free_port
+from tests.models import CAMPAIGN_GPT
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "frontier" / "smoke_1node.sbatch"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--vocab-size", "200", "--make-vocab-size-divisible-by", "32",
-        "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--peak-tflops", "1",
-        "--save-interval", "100000"]
 FAKE_PYTHON = """#!/bin/bash
 if [[ ${{1:-}} == pretrain_gpt.py ]]; then
     shift
@@ -59,7 +56,7 @@ class Place:
         self.env.update(env)
         self.scheduler = fakeslurm.Scheduler(str(self.state))
 
-    def sbatch(self, *opts: str, script: Path = SCRIPT, args: tuple[str, ...] = tuple(TINY), **env: str) -> str:
+    def sbatch(self, *opts: str, script: Path = SCRIPT, args: tuple[str, ...] = tuple(CAMPAIGN_GPT), **env: str) -> str:
         """Submit like a user at the repository root; returns the job id."""
         proc = subprocess.run([str(self.root / "bin" / "sbatch"), "--parsable", *opts, str(script), *args],
                               cwd=REPO, env={**self.env, **env}, capture_output=True, text=True, check=True)

@@ -9,8 +9,8 @@ fake machine minus its excluded ones, with ``SLURM_JOB_END_TIME`` = start + its 
 at that time and SIGKILL ``kill_wait`` seconds later (what Slurm does at the limit). ``--signal`` is recorded, not
 sent: tests send their signals themselves, at the moment they choose (a 45 s job and a 120 s lead would signal at
 once). ``srun`` starts ``$FAKE_SRUN_RANKS`` ranks (default: its ``-n``) over its ``-N`` nodes, block distribution,
-with the variables megatron/topology.py discover_ranks reads, and forwards the signals it receives to every rank.
-Stdlib only (plus megatron/topology.py's hostlist parser).
+with the variables megatron/topology.py discover_ranks reads (started through tests/launch/), and forwards the
+signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from megatron.topology import parse_nodelist  # noqa: E402
+from tests.launch import TIMED_OUT, start_ranks  # noqa: E402
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "srun")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
@@ -272,36 +273,31 @@ def srun(argv: list[str]) -> int:
         ntasks = nnodes * int(opts["ntasks-per-node"])
     per = -(-ntasks // nnodes)
     counts = [min(per, ntasks - k * per) for k in range(nnodes) if ntasks - k * per > 0]
-    procs = []
-    for rank in range(ntasks):
+    def slurm_vars(rank: int, world: int, port: int) -> dict[str, str]:
         node = rank // per
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank - node * per), SLURM_NODEID=str(node),
-                   SLURM_NTASKS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_NPROCS=str(ntasks),
-                   SLURM_STEP_TASKS_PER_NODE=",".join(str(c) for c in counts), SLURM_STEP_NODELIST=",".join(hosts),
-                   SLURM_STEP_NUM_NODES=str(len(counts)), SLURMD_NODENAME=hosts[node],
-                   SLURM_CPUS_PER_TASK=opts.get("cpus-per-task", "1"))
-        procs.append(subprocess.Popen(cmd, env=env))
+        return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank - node * per), "SLURM_NODEID": str(node),
+                "SLURM_NTASKS": str(ntasks), "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NPROCS": str(ntasks),
+                "SLURM_STEP_TASKS_PER_NODE": ",".join(str(c) for c in counts), "SLURM_STEP_NODELIST": ",".join(hosts),
+                "SLURM_STEP_NUM_NODES": str(len(counts)), "SLURMD_NODENAME": hosts[node],
+                "SLURM_CPUS_PER_TASK": opts.get("cpus-per-task", "1")}
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    ranks = start_ranks(ntasks, cmd, environ=environ, rank_vars=slurm_vars, cwd=os.getcwd())
     job_id = os.environ.get("SLURM_JOB_ID", "0")
     os.makedirs(_path("steps"), exist_ok=True)
     with open(_path("steps", f"{job_id}.json"), "w") as f:
-        json.dump([{"rank": r, "pid": p.pid, "host": hosts[r // per]} for r, p in enumerate(procs)], f)
+        json.dump([{"rank": r, "pid": p.pid, "host": hosts[r // per]} for r, p in enumerate(ranks.procs)], f)
 
     def forward(signum, frame):
-        for p in procs:
+        for p in ranks.procs:
             with contextlib.suppress(OSError):
                 p.send_signal(signum)
 
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    codes = []
-    for p in procs:
-        while True:
-            try:
-                codes.append(p.wait())
-                break
-            except InterruptedError:
-                continue
+    # The job's end bounds the step, as under Slurm (the scheduler kills the whole job a little later).
+    end = float(os.environ.get("SLURM_JOB_END_TIME") or time.time() + 3600)
+    codes = [TIMED_OUT if c is None else c for c in ranks.wait(max(1.0, end - time.time() + 60))]
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # what the ranks cost, for the tests' CPU budget
     with open(_path("steps", f"{job_id}.cpu"), "a") as f:
         f.write(f"{usage.ru_utime + usage.ru_stime:.2f}\n")

@@ -55,8 +55,8 @@ def campaign(tmp_path_factory):
     # At this step it does about 12 iterations at most: the ~20 left after the signalled jobs take 2-3 jobs.
     step_sleep = max(0.3, (limit - SAVE_SLEEP - 15 - startup / 2) / 12)
 
-    place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "runs" / "camp"),
-                  TEST_STEP_SLEEP=f"{step_sleep:.2f}", TEST_SAVE_SLEEP=str(SAVE_SLEEP))
+    slow = f"phase=step,action=sleep:{step_sleep:.2f};rank=0,phase=save,action=sleep:{SAVE_SLEEP}"  # docs/faults.md
+    place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "runs" / "camp"), MEGATRON_FAULT=slow)
     first = place.sbatch("-t", _clock(limit))
     order: list[str] = []
 

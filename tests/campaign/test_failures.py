@@ -10,7 +10,8 @@ import signal
 import pytest
 
 from megatron.resilience.failure_record import read_records
-from tests.campaign.common import TINY, Place, iterations_logged, log_of, non_loopback_ip
+from tests.campaign.common import Place, iterations_logged, log_of, non_loopback_ip
+from tests.models import CAMPAIGN_GPT
 
 
 def test_two_failures_at_start_stop_the_chain_with_one_line(tmp_path):
@@ -37,8 +38,9 @@ def test_a_rank_lost_twice_on_a_host_excludes_it_from_the_successor(tmp_path):
     master = non_loopback_ip()
     if master is None:
         pytest.skip("no non-loopback IPv4 address here: a job of two fake nodes cannot rendezvous")
-    args = (*TINY, "--save-interval", "2", "--watchdog-timeout-secs", "4")
-    place = Place(tmp_path, 1000, RUN_DIR=str(tmp_path / "runs" / "lost"), TEST_STEP_SLEEP="0.3", MASTER_ADDR=master)
+    args = (*CAMPAIGN_GPT, "--save-interval", "2", "--watchdog-timeout-secs", "4")
+    place = Place(tmp_path, 1000, RUN_DIR=str(tmp_path / "runs" / "lost"), MEGATRON_FAULT="phase=step,action=sleep:0.3",
+                  MASTER_ADDR=master)
     place.sbatch("-N", "2", "-t", "20:00", args=args)
 
     def watch(running):

@@ -10,16 +10,8 @@ import signal
 
 import pytest
 
-from tests.checkpointing.common import (
-    BASE,
-    exact_losses,
-    finish,
-    pretrain_on,
-    slow_async_pretrain,
-    start_ranks,
-    wait_for_line,
-)
-from tests.launcher import run_distributed
+from tests.checkpointing.common import exact_losses, pretrain_on, slow_async_pretrain, start_exact
+from tests.models import CKPT_GPT
 
 ASYNC = ["--async-save", "--save-interval", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
@@ -36,18 +28,14 @@ def _verify(save: str, tag: str | None = None) -> int:
     return verify_tool([save] + (["--tag", tag] if tag else []))
 
 
-def _text(out: str, r: int, kind: str = "out") -> str:
-    return open(os.path.join(out, f"rank{r}.{kind}")).read()
-
-
 @pytest.mark.timeout(600)
 def test_zero1_sigterm_during_a_background_write_commits_both_and_resumes_exact(tmp_path):
     save = str(tmp_path / "ckpt")
-    args = BASE + ["--zero-stage", "1", "--train-iters", "6"]
+    args = CKPT_GPT + ["--zero-stage", "1", "--train-iters", "6"]
     # The writer sleeps 2 s before each file of the step-2 save: iterations 3 and 4 train while it writes, and the
     # SIGTERM sent at iteration 3 asks for an exit save at 4 while the step-2 save is still in flight.
-    got = run_distributed(slow_async_pretrain, 2, timeout=240, argv=args + ASYNC + ["--save", save],
-                          slow_tag="global_step2.tmp-", slow_s=2.0, sigterm_at=3)[0]
+    got = slow_async_pretrain(2, args + ASYNC + ["--save", save], slow_tag="global_step2.tmp-", slow_s=2.0,
+                              sigterm_at=3)
     assert got["exit_reason"] == "signal (SIGTERM/SIGUSR1)" and got["iterations"] == 4, got["exit_reason"]
     events = got["events"]
     assert events.index(("iteration", 4)) < events.index(("commit", "global_step2")) < events.index(
@@ -71,17 +59,18 @@ def test_zero1_sigterm_during_a_background_write_commits_both_and_resumes_exact(
 @pytest.mark.timeout(600)
 def test_pp2_full_disk_in_the_writer_is_one_line_and_latest_stays(tmp_path):
     save, out = str(tmp_path / "ckpt"), str(tmp_path)
-    args = BASE + PP2 + ["--train-iters", "6"]
-    procs = start_ranks(2, args + ASYNC + ["--save", save], out, env={"FULL_TAG": "global_step4.tmp-",
-                                                                      "FULL_RANK": "1"})
-    assert finish(procs, timeout=300) == [2, 2], _text(out, 1, "err")[-3000:]
+    args = CKPT_GPT + PP2 + ["--train-iters", "6"]
+    # Rank 1's disk fills up as it opens its first file of the step-4 save.
+    with start_exact(2, args + ASYNC + ["--save", save], out,
+                     fault="rank=1,phase=write,file=global_step4.tmp-,action=raise:ENOSPC") as ranks:
+        assert ranks.wait(timeout=300) == [2, 2], ranks.output(1, "err")[-3000:]
     for r in range(2):
-        assert "Traceback" not in _text(out, r, "err"), _text(out, r, "err")[-3000:]
-    last = _text(out, 0, "err").strip().splitlines()[-1]
+        assert "Traceback" not in ranks.output(r, "err"), ranks.output(r, "err")[-3000:]
+    last = ranks.output(0, "err").strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint save to {save} failed: out of space (ENOSPC"), last
     assert "on rank 1)" in last and "'latest' still names global_step2" in last, last
     assert _latest(save) == "global_step2" and not [n for n in os.listdir(save) if ".tmp-" in n]
-    exact = exact_losses(os.path.join(out, "rank0.out"))
+    exact = exact_losses(ranks.output(0))
     assert sorted(exact)[:4] == [1, 2, 3, 4], exact
     assert _verify(save) == 0
     resumed = pretrain_on(2, args + ["--load", save, "--exit-interval", "4"])["losses"]
@@ -91,28 +80,24 @@ def test_pp2_full_disk_in_the_writer_is_one_line_and_latest_stays(tmp_path):
 @pytest.mark.timeout(600)
 def test_hierarchical_zero_kill9_during_the_write_keeps_latest_loadable(tmp_path):
     save, out, again = str(tmp_path / "ckpt"), str(tmp_path), str(tmp_path / "resume")
-    args = BASE + HZERO + ["--train-iters", "100000", "--watchdog-timeout-secs", "5"]
-    procs = start_ranks(2, args + ASYNC + ["--save", save], out,
-                        env={"SLOW_TAG": "global_step4.tmp-", "SLOW_RANK": "1", "SLOW_S": "120"})
-    try:
-        wait_for_line(os.path.join(out, "rank1.out"), r"^WRITING .*global_step4\.tmp-.*hzero_rank_00001\.pt", procs)
-        wait_for_line(os.path.join(out, "rank1.out"), r"^EXACT 6 ", procs)  # training went on meanwhile
-        procs[1].send_signal(signal.SIGKILL)
-        codes = finish(procs, timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes[0] not in (0, None), _text(out, 0, "err")[-3000:]
+    args = CKPT_GPT + HZERO + ["--train-iters", "100000", "--watchdog-timeout-secs", "5"]
+    # Rank 1's writer sleeps 120 s on each file of the step-4 save while training goes on.
+    with start_exact(2, args + ASYNC + ["--save", save], out,
+                     fault="rank=1,phase=write,file=global_step4.tmp-,action=sleep:120") as ranks:
+        ranks.wait_for_line(1, r"fault injected .* in write of .*global_step4\.tmp-.*hzero_rank_00001\.pt", "err")
+        ranks.wait_for_line(1, r"^EXACT 6 ")  # training went on meanwhile
+        ranks[1].send_signal(signal.SIGKILL)
+        codes = ranks.wait(timeout=120)
+    assert codes[0] not in (0, None), ranks.output(0, "err")[-3000:]
     assert _latest(save) == "global_step2"
     tmp = [n for n in os.listdir(save) if n.startswith("global_step4.tmp-")]
     assert len(tmp) == 1 and _verify(save) == 0
-    exact = exact_losses(os.path.join(out, "rank0.out"))
+    exact = exact_losses(ranks.output(0))
     os.makedirs(again)
-    procs = start_ranks(2, args + ["--load", save, "--exit-interval", "4"], again)
-    assert finish(procs, timeout=300) == [0, 0], _text(again, 0, "err")[-3000:]
-    assert exact_losses(os.path.join(again, "rank0.out")) == {3: exact[3], 4: exact[4]}
-    named = [line for line in _text(again, 0).splitlines() if "unfinished save" in line]
+    with start_exact(2, args + ["--load", save, "--exit-interval", "4"], again) as resumed:
+        assert resumed.wait(timeout=300) == [0, 0], resumed.output(0, "err")[-3000:]
+    assert exact_losses(resumed.output(0)) == {3: exact[3], 4: exact[4]}
+    named = [line for line in resumed.output(0).splitlines() if "unfinished save" in line]
     assert named == [f"> {save}: 1 unfinished save(s) of an interrupted run: {tmp[0]}; not loaded, latest still "
                      "names global_step2; the next save removes them"], named
     assert _latest(save) == "global_step2" and tmp[0] in os.listdir(save)  # a resume without --save moves nothing

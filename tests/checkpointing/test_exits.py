@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from tests.functional.cli import REPO, TINY, run_pretrain
-from tests.launcher import free_port
+from tests.launch import PRETRAIN, run_pretrain, start_ranks
+from tests.models import TINY_GPT, replaced
 
 _ITER = re.compile(r"^ iteration\s+(\d+)/", re.M)
-LONG = [a if a != "10" else "100000" for a in TINY]  # --train-iters 100000: only a stop request ends the run
+LONG = replaced(TINY_GPT, {"--train-iters": "100000"})  # only a stop request ends the run
 
 FP16_ON_CPU = """
 import sys
@@ -28,18 +28,8 @@ sys.exit(run_cli(pretrain_gpt.main, sys.argv[1:]))
 """
 
 
-def _env() -> dict:
-    # Prepended, not replaced: an offline GPU image finds deepspeed on PYTHONPATH (tests/gpu/run.sh).
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(k, None)
-    env["MASTER_PORT"] = str(free_port())  # other runs on this host may hold the default 29500
-    return env
-
-
 def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return run_pretrain(1, args, env={"MASTER_PORT": str(free_port())}, **kw)
+    return run_pretrain(1, args, **kw)
 
 
 def _iters(stdout: str) -> list[int]:
@@ -54,20 +44,14 @@ def _latest(save: str) -> str | None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_signal_saves_exits_zero_and_resumes(tmp_path, sig):
-    save = str(tmp_path)
+    save = str(tmp_path / "ckpt")
     args = LONG + ["--save", save]
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args], cwd=REPO,
-                                env=_env(), text=True, stdout=subprocess.PIPE, stderr=err)
-        lines = []
-        for line in proc.stdout:  # signal once training is under way
-            lines.append(line)
-            if line.startswith(" iteration        2/"):
-                proc.send_signal(sig)
-                break
-        rest, _ = proc.communicate(timeout=90)
-    out = "".join(lines) + rest
-    assert proc.returncode == 0, open(tmp_path / "stderr.txt").read()[-2000:]
+    with start_ranks(1, [sys.executable, PRETRAIN, *args], str(tmp_path)) as run:
+        run.wait_for_line(0, r"^ iteration        2/")  # signal once training is under way
+        run[0].send_signal(sig)
+        code, = run.wait(90)
+    out = run.output(0)
+    assert code == 0, run.output(0, "err")[-2000:]
     stopped = _iters(out)[-1]
     assert 2 <= stopped < 100000
     assert f"> exiting at iteration {stopped} after a checkpoint: signal" in out
@@ -105,8 +89,8 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
 def test_persistent_nan_stops_nonzero_without_saving_it(tmp_path):
     save = str(tmp_path)
     # lr 1e30 without clipping or warmup: iteration 1's loss is finite, its update makes every later loss NaN.
-    args = TINY + ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0", "--save", save,
-                   "--save-interval", "1"]
+    args = TINY_GPT + ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0", "--save", save,
+                       "--save-interval", "1"]
     proc = _run(args, timeout=80, check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
@@ -121,9 +105,8 @@ def test_persistent_nan_stops_nonzero_without_saving_it(tmp_path):
 @pytest.mark.timeout(90)
 def test_fp16_overflow_skips_steps_and_lowers_scale(tmp_path):
     # 2**40: every fp16 gradient overflows at first; the scaler halves the scale and skips the step.
-    args = TINY + ["--train-iters", "4", "--fp16", "--initial-loss-scale", str(2**40), "--zero-stage", "1"]
-    proc = subprocess.run([sys.executable, "-c", FP16_ON_CPU, *args], cwd=REPO, env=_env(), text=True,
-                          capture_output=True, timeout=80)
+    args = TINY_GPT + ["--train-iters", "4", "--fp16", "--initial-loss-scale", str(2**40), "--zero-stage", "1"]
+    proc = _run(args, code=FP16_ON_CPU, timeout=80, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = re.findall(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+) \| loss scale: ([0-9.]+) .*?"
                       r"number of skipped iterations:\s+(\d+)", proc.stdout)

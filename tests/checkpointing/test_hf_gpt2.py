@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.arguments import model_config_from_args, parse_args
-from tests.launcher import free_port, run_distributed
+from tests.launch import free_port, run_distributed
 
 VOCAB, SEQ, GBS = 256, 32, 4  # vocab 256: no padding at TP=1 or 2, so our softmax sees HF's vocabulary
 

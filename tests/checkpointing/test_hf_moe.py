@@ -20,7 +20,8 @@ from megatron.config.sizes import named_model
 from megatron.core.parallel_state import single_process_state
 from megatron.errors import ConfigError
 from megatron.model.gpt_model import GPTModel
-from tests.checkpointing.common import BASE, LLAMA, pretrain_on
+from tests.checkpointing.common import pretrain_on
+from tests.models import TINY_LLAMA
 
 VOCAB, SEQ, GBS = 256, 16, 4  # vocab 256: no padding at TP=2 (divisible by 32 x 2), so our softmax sees HF's vocabulary
 # No dropping and no second-expert sampling: what HF computes (it has no capacity and no draws).
@@ -43,7 +44,7 @@ def test_ep2_tp2_checkpoint_exports_to_mixtral_with_the_runs_loss(tmp_path):
     from tools.convert_checkpoint_to_hf import main as to_hf
 
     save = str(tmp_path / "ckpt")
-    args = BASE + LLAMA + ["--vocab-size", str(VOCAB), "--hidden-dropout", "0", "--attention-dropout", "0",
+    args = TINY_LLAMA + ["--vocab-size", str(VOCAB), "--hidden-dropout", "0", "--attention-dropout", "0",
                            "--train-iters", "3", "--save-interval", "2", "--save", save, "--num-experts", "4",
                            "--expert-interval", "1", "--topk", "2", "--moe-expert-parallel-size", "2",
                            "--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism",

@@ -5,15 +5,16 @@ kill -9 in the middle of a save."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, SLOW_SAVE, pretrain_on
+from tests.checkpointing.common import pretrain_on
+from tests.checkpointing.test_faults import SAVING, SLOW_SAVE
+from tests.launch import PRETRAIN, run_pretrain, start_ranks
+from tests.models import CKPT_GPT
 
 HIER = ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--train-iters", "20"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -50,7 +51,7 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
 
     save = str(tmp_path / "ckpt")
     # Vocab 256 needs no padding: HF sees the true vocabulary, so its loss equals ours only without padded rows.
-    one_node = BASE + NO_DROPOUT + HIER + ["--vocab-size", "256"]
+    one_node = CKPT_GPT + NO_DROPOUT + HIER + ["--vocab-size", "256"]
     args = one_node + _two_nodes(tmp_path)
     straight = pretrain_on(4, args + ["--save", save, "--save-interval", "10"])["losses"]
     with open(os.path.join(save, "latest"), "w") as f:
@@ -112,7 +113,7 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
 def test_bf16_int8_exit_save_resume_bit_exact(tmp_path):
     """Dropout on: exactness also needs every rank's RNG state, which each rank writes into its own file."""
     save = str(tmp_path / "ckpt")
-    args = BASE + HIER + ["--bf16", "--zero-hierarchy-int8"] + _two_nodes(tmp_path)
+    args = CKPT_GPT + HIER + ["--bf16", "--zero-hierarchy-int8"] + _two_nodes(tmp_path)
     first = pretrain_on(4, args + ["--save", save, "--exit-interval", "10"])
     assert first["exit_reason"] == "--exit-interval 10" and list(first["losses"]) == list(range(1, 11))
     state = torch.load(os.path.join(save, "global_step10", "hzero_rank_00001.pt"), weights_only=True)
@@ -127,20 +128,15 @@ def test_bf16_int8_exit_save_resume_bit_exact(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_kill_during_hierarchical_save_keeps_latest_loadable(tmp_path):
-    from tests.checkpointing.test_faults import _env
-    from tests.functional.cli import REPO, run_pretrain
-
-    save = str(tmp_path)
-    args = BASE + ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--save", save,
-                   "--save-interval", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args, "--train-iters", "6"], cwd=REPO, env=_env(),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    for line in proc.stdout:  # the step-4 shard is on disk under its temporary tag, the save not committed
-        if line.startswith("SAVING"):
-            assert "hzero_rank_00000.pt" in line, line
-            break
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(30)
+    save = str(tmp_path / "ckpt")
+    args = CKPT_GPT + ["--zero-stage", "3", "--zero-hierarchy", "package,node,network", "--save", save,
+                       "--save-interval", "2"]
+    with start_ranks(1, [sys.executable, PRETRAIN, *args, "--train-iters", "6"], str(tmp_path),
+                     env={"MEGATRON_FAULT": SLOW_SAVE}) as run:
+        line = run.wait_for_line(0, SAVING, "err")  # the step-4 shard, under its temporary tag, not committed
+        assert "hzero_rank_00000.pt" in line, line
+        run[0].kill()
+        run.wait(30)
     assert any(n.startswith("global_step4.tmp-") for n in os.listdir(save))
     assert open(os.path.join(save, "latest")).read() == "global_step2"
     out = run_pretrain(1, args + ["--load", save, "--train-iters", "3", "--lr-decay-iters", "6"])

@@ -12,41 +12,27 @@ import sys
 
 import pytest
 
-from tests.checkpointing.common import ASYNC, BASE, pretrain_on
-from tests.functional.cli import REPO
-from tests.launcher import free_port, run_distributed
+from tests.checkpointing.common import EXACT, FAULT, exact_losses, pretrain_on
+from tests.launch import PRETRAIN, free_port, rank_env, run_distributed, start_ranks
+from tests.models import CKPT_GPT
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]  # 2 ranks: layer, model and optimizer files
 
-# Rank 1's file system fills up in the middle of its first file of the step-4 save (the file object under the
-# hashing writer raises, inside torch.save): common.ASYNC steered by FULL_TAG / FULL_RANK; every logged loss is
-# printed exactly so the resume can be compared bit for bit.
-FULL_DISK = {"FULL_TAG": "global_step4.tmp-", "FULL_RANK": "1"}
+# Rank 1's file system fills up as it opens its first file of the step-4 save; every logged loss is printed exactly
+# (common.EXACT) so the resume can be compared bit for bit.
+FULL_DISK = "rank=1,phase=write,file=global_step4.tmp-,action=raise:ENOSPC"
 
 
-def _ranks(world: int, argv: list[str], script: str | None = None, ports: list[int] | None = None,
-           timeout: float = 240, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """``world`` ranks launched as separate processes (one exit code each); ``ports``: one per rank to keep them
-    from ever forming a process group."""
-    port = free_port()
-    cmd = [sys.executable, "-c", script] if script else [sys.executable, os.path.join(REPO, "pretrain_gpt.py")]
-    procs = []
-    for r in range(world):
-        full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, RANK=str(r), WORLD_SIZE=str(world),
-                    LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(ports[r] if ports else port), **(env or {}))
-        procs.append(subprocess.Popen(cmd + argv, cwd=REPO, env=full, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE))
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return out
+def _ranks(world: int, argv: list[str], out_dir: str, exact: bool = False, fault: str | None = None,
+           ports: list[int] | None = None, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """``world`` ranks of pretrain_gpt.py (``exact``: common.EXACT) launched as separate processes, one exit code
+    each; ``ports``: one per rank to keep them from ever forming a process group."""
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-c", EXACT] if exact else [sys.executable, PRETRAIN]
+    with start_ranks(world, cmd + argv, out_dir, env={FAULT: fault} if fault else None,
+                     rank_vars=(lambda r, w, _: rank_env(r, w, ports[r])) if ports else None) as ranks:
+        codes = ranks.wait(timeout)
+    return [subprocess.CompletedProcess(cmd, codes[r], ranks.output(r), ranks.output(r, "err")) for r in range(world)]
 
 
 def _flip(path: str) -> None:
@@ -92,8 +78,9 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
     from tools.verify_checkpoint import main as verify_tool
 
     save = str(tmp_path / "ckpt")
-    args = BASE + PP2 + ["--train-iters", "4"]
-    ranks = _ranks(2, args + ["--save", save, "--save-interval", "2"], script=ASYNC, env=FULL_DISK)
+    args = CKPT_GPT + PP2 + ["--train-iters", "4"]
+    ranks = _ranks(2, args + ["--save", save, "--save-interval", "2"], str(tmp_path / "full"), exact=True,
+                   fault=FULL_DISK)
     for r, out in enumerate(ranks):  # every rank exits 2; the job's one error line, no traceback
         assert out.returncode == 2, (r, out.stderr[-3000:])
         assert "Traceback" not in out.stderr, (r, out.stderr[-3000:])
@@ -103,8 +90,7 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
     assert "removed" in last and "'latest' still names global_step2" in last, last
     assert open(os.path.join(save, "latest")).read() == "global_step2"
     assert not [n for n in os.listdir(save) if ".tmp-" in n], os.listdir(save)  # the temporary directory is gone
-    exact = {int(w[1]): float(w[2]) for w in (line.split() for line in ranks[0].stdout.splitlines())
-             if w and w[0] == "EXACT"}
+    exact = exact_losses(ranks[0].stdout)
     assert sorted(exact) == [1, 2, 3, 4], ranks[0].stdout[-2000:]
     resumed = pretrain_on(2, args + ["--load", save])["losses"]
     assert resumed == {3: exact[3], 4: exact[4]}, (resumed, exact)  # bit for bit
@@ -120,8 +106,8 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
 
     # One hierarchical ZeRO checkpoint (2 ranks, one node).
     hz = str(tmp_path / "hz")
-    pretrain_on(2, BASE + ["--zero-stage", "3", "--zero-hierarchy", "node,network", "--train-iters", "1",
-                           "--lr-warmup-iters", "0", "--save", hz])
+    pretrain_on(2, CKPT_GPT + ["--zero-stage", "3", "--zero-hierarchy", "node,network", "--train-iters", "1",
+                               "--lr-warmup-iters", "0", "--save", hz])
     files = {"model": "mp_rank_00_model_states.pt", "optimizer": "zero_pp_rank_0_mp_rank_01_optim_states.pt",
              "layer": "layer_02-model_00-model_states.pt"}
     cases = {k: _damaged_copy(save, str(tmp_path / k), os.path.join("global_step2", n)) for k, n in files.items()}
@@ -141,7 +127,7 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
     assert got[0][-2:] == [None, None]  # the whole checkpoints pass
 
     # The CLI on a damaged optimizer file: one line naming it, exit 2 on every rank, no iteration.
-    ranks = _ranks(2, args + ["--load", cases["optimizer"]])
+    ranks = _ranks(2, args + ["--load", cases["optimizer"]], str(tmp_path / "damaged"))
     assert [r.returncode for r in ranks] == [2, 2], ranks[1].stderr[-3000:]
     last = ranks[0].stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint file {os.path.join(dirs['optimizer'], files['optimizer'])} fails its "
@@ -151,8 +137,8 @@ def test_full_disk_one_line_resume_exact_and_damaged_files_refused(tmp_path, cap
     # A missing shard is refused before any process group: each rank alone (ports differ, they cannot meet).
     shutil.rmtree(cases["model"])
     gone = _damaged_copy(save, cases["model"], os.path.join("global_step2", files["optimizer"]), how=os.remove)
-    ranks = _ranks(2, args + ["--load", gone, "--distributed-timeout-minutes", "1"], ports=[free_port(), free_port()],
-                   timeout=120)
+    ranks = _ranks(2, args + ["--load", gone, "--distributed-timeout-minutes", "1"], str(tmp_path / "missing"),
+                   ports=[free_port(), free_port()], timeout=120)
     missing = os.path.join(gone, "global_step2", files["optimizer"])
     assert [r.returncode for r in ranks] == [2, 2], ranks[0].stderr[-3000:]
     assert ranks[0].stderr.strip().splitlines()[-1].startswith(f"error: checkpoint file {missing} is missing"), \

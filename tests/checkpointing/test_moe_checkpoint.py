@@ -6,12 +6,13 @@ import os
 
 import pytest
 
-from tests.checkpointing.common import BASE, pretrain_on
+from tests.checkpointing.common import pretrain_on
+from tests.models import CKPT_GPT
 
-ARGS = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "2", "--train-iters", "3",
-               "--num-experts", "4", "--expert-interval", "1", "--moe-expert-parallel-size", "2", "--topk", "2",
-               "--moe-train-capacity-factor", "0.75", "--micro-batch-size", "2", "--moe-min-capacity", "2",
-               "--vocab-size", "256"]  # no padded vocabulary rows: a full state drops them (exact resharding)
+ARGS = CKPT_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "2", "--train-iters", "3",
+                   "--num-experts", "4", "--expert-interval", "1", "--moe-expert-parallel-size", "2", "--topk", "2",
+                   "--moe-train-capacity-factor", "0.75", "--micro-batch-size", "2", "--moe-min-capacity", "2",
+                   "--vocab-size", "256"]  # no padded vocabulary rows: a full state drops them (exact resharding)
 
 
 @pytest.mark.timeout(400)
@@ -64,11 +65,11 @@ def test_ep2_zero2_resumes_exactly_from_its_expert_files(tmp_path):
     with pytest.raises(CheckpointError, match="layer_1_expert_3_mp_rank_00_model_states.pt"):
         reshard.main(["--load", save, "--save", str(tmp_path / "full2")])
 
-PIPE = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--train-iters", "3",
-               "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-interval", "1",
-               "--moe-expert-parallel-size", "2", "--topk", "1", "--moe-train-capacity-factor", "0.75",
-               "--moe-min-capacity", "2", "--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1",
-               "--vocab-size", "256"]  # no padded vocabulary rows: exact through a full state
+PIPE = CKPT_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--train-iters", "3",
+                   "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-interval", "1",
+                   "--moe-expert-parallel-size", "2", "--topk", "1", "--moe-train-capacity-factor", "0.75",
+                   "--moe-min-capacity", "2", "--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1",
+                   "--vocab-size", "256"]  # no padded vocabulary rows: exact through a full state
 
 
 @pytest.mark.timeout(400)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.functional.cli import REPO
+from tests.launch import PRETRAIN, clean_env, free_port, run_command
 
 LIMIT_KB = 4_000_000  # ~3.8 GiB of address space: torch, DeepSpeed and a gloo group need about 1.5
 # ~805M parameters: 3 GiB of fp32 weights alone, ~13 GiB with gradients and Adam's states.
@@ -19,11 +19,8 @@ BIG = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "
 
 
 def _run_capped(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    script = f"ulimit -v {LIMIT_KB} && exec {sys.executable} {os.path.join(REPO, 'pretrain_gpt.py')} " + " ".join(args)
-    return subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    script = f"ulimit -v {LIMIT_KB} && exec {sys.executable} {PRETRAIN} " + " ".join(args)
+    return run_command(["bash", "-c", script], 150, env=clean_env({"MASTER_PORT": str(free_port())}))
 
 
 @pytest.mark.timeout(200)

@@ -15,12 +15,11 @@ import os
 
 import pytest
 
-from tests.launcher import free_port, run_distributed
+from tests.launch import free_port, run_distributed
+from tests.models import CKPT_MODEL
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lr_schedule", "upstream_lr.json")
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "32", "--log-interval", "1",
-        "--eval-iters", "0", "--use-cpu-initialization", "--seed", "7", "--distributed-backend", "gloo"]
+TINY = CKPT_MODEL
 LAYOUTS = {"zero2-dp2": ["--zero-stage", "2"],
            "pipeline-pp2": ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 STOP = 5  # mid-ramp: the fixture's batches are 2, 2, 2, 2, 4, 4, 6, 6, 8, ...

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on
+from tests.checkpointing.common import check_resume_exact, pretrain_on
+from tests.models import CKPT_GPT, TINY_LLAMA
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 ITERS = ["--train-iters", "4"]
@@ -29,7 +30,7 @@ def _point_latest(save_dir: str, tag: str) -> None:
 @pytest.mark.timeout(300)
 def test_zero1_tp2_resume_exact_with_dropout(tmp_path):
     """Dropout on: exactness needs every rank's RNG (python, numpy, torch, tracker) restored."""
-    args = BASE + ["--tensor-model-parallel-size", "2", "--zero-stage", "1"] + ITERS
+    args = CKPT_GPT + ["--tensor-model-parallel-size", "2", "--zero-stage", "1"] + ITERS
     straight = pretrain_on(2, args)["losses"]
     first = pretrain_on(2, args + ["--exit-interval", "2", "--save", str(tmp_path)])
     assert first["exit_reason"] == "--exit-interval 2" and list(first["losses"]) == [1, 2]
@@ -50,7 +51,7 @@ def test_zero3_dp2_resume_exact_and_zero_to_fp32(tmp_path):
     from megatron.config.sizes import named_model
     from megatron.training.step import gpt_forward_step
 
-    args = BASE + NO_DROPOUT + ["--zero-stage", "3"] + ITERS
+    args = CKPT_GPT + NO_DROPOUT + ["--zero-stage", "3"] + ITERS
     straight = pretrain_on(2, args + ["--save", str(tmp_path), "--save-interval", "2"])["losses"]
     _point_latest(str(tmp_path), "global_step2")
     resumed = pretrain_on(2, args + ["--load", str(tmp_path)])["losses"]
@@ -77,7 +78,7 @@ def test_pp2_tp2_llama_resume_export_and_reshard(tmp_path):
     save = str(tmp_path / "ckpt")
     # Vocab 256 needs no padding at TP=1 or 2: padded rows take part in our softmax but are dropped on export
     # (HF sees the true vocab) and zero-filled on resharding, so only then must the losses agree exactly.
-    args = BASE + LLAMA + NO_DROPOUT + ["--zero-stage", "1", "--vocab-size", "256"] + ITERS
+    args = TINY_LLAMA + NO_DROPOUT + ["--zero-stage", "1", "--vocab-size", "256"] + ITERS
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     straight = pretrain_on(4, args + layout + ["--save", save, "--save-interval", "2"])["losses"]
     _point_latest(save, "global_step2")
@@ -108,4 +109,4 @@ def test_pp2_tp2_llama_resume_export_and_reshard(tmp_path):
 def test_bf16_zero1_resume_exact(tmp_path):
     """bf16 (DeepSpeed's bf16 ZeRO-1 optimizer: fp32 master weights and moments in the checkpoint) with dropout
     on, one process; tests/gpu runs the same check on a GPU."""
-    check_resume_exact(1, BASE + ["--bf16", "--zero-stage", "1"], str(tmp_path))
+    check_resume_exact(1, CKPT_GPT + ["--bf16", "--zero-stage", "1"], str(tmp_path))

@@ -10,8 +10,8 @@ override flag (or --use-checkpoint-opt_param-scheduler) the changed schedule is 
 import pytest
 
 from megatron.optim.lr_schedule import OptimizerParamScheduler, ScheduleShape
-from tests.checkpointing.common import BASE
-from tests.launcher import free_port, run_distributed
+from tests.launch import free_port, run_distributed
+from tests.models import CKPT_GPT
 
 N = 2
 ENGINES = {  # name -> layout flags on 2 ranks. The pipeline engine's resumed lr is checked against upstream's in
@@ -32,17 +32,17 @@ def _save_then_resume(root: str, ports: list[int]) -> dict:
         os.environ["MASTER_PORT"] = str(ports.pop())
         return _pretrain(argv)["lrs"]
 
-    out = {"straight": run(BASE + ENGINES["zero1-dp2"] + ["--train-iters", str(3 * N)])}
+    out = {"straight": run(CKPT_GPT + ENGINES["zero1-dp2"] + ["--train-iters", str(3 * N)])}
     for name, flags in ENGINES.items():
         save = f"{root}/{name}"
-        run(BASE + flags + ["--train-iters", str(N), "--save", save])
-        out[name] = run(BASE + flags + ["--train-iters", str(3 * N), "--load", save,
-                                        "--override-opt_param-scheduler"])
+        run(CKPT_GPT + flags + ["--train-iters", str(N), "--save", save])
+        out[name] = run(CKPT_GPT + flags + ["--train-iters", str(3 * N), "--load", save,
+                                            "--override-opt_param-scheduler"])
     return out
 
 
 def _schedule_lr(iteration: int, train_iters: int) -> float:
-    """The lr BASE's schedule (--lr 2e-3, 1 warmup iteration, linear decay to 0, global batch 4) applies at
+    """The lr CKPT_GPT's schedule (--lr 2e-3, 1 warmup iteration, linear decay to 0, global batch 4) applies at
     ``iteration``: upstream's position before that update, (iteration - 1) x 4 samples."""
     import torch
 
@@ -72,7 +72,7 @@ def test_first_resumed_iteration_uses_the_new_schedule(tmp_path):
     save = str(tmp_path / "zero1-dp2")
     for extra, refused in (([], True), (["--use-checkpoint-opt_param-scheduler"], False),
                            (["--override-opt_param-scheduler"], False)):
-        args = parse_args(BASE + ENGINES["zero1-dp2"] + ["--train-iters", str(3 * N), "--load", save] + extra)
+        args = parse_args(CKPT_GPT + ENGINES["zero1-dp2"] + ["--train-iters", str(3 * N), "--load", save] + extra)
         run = run_config_from_args(args, 2, 200)
         if refused:
             with pytest.raises(CheckpointError, match="decay length \\(samples\\) 8 in the checkpoint, 24 "):

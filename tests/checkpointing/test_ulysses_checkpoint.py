@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from tests.checkpointing.common import BASE, LLAMA, pretrain_on
+from tests.checkpointing.common import pretrain_on
+from tests.models import TINY_LLAMA
 
-ARGS = BASE + LLAMA + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--vocab-size",
+ARGS = TINY_LLAMA + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1", "--vocab-size",
                        "256", "--train-iters", "4"]
 
 

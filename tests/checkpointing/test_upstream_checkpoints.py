@@ -11,8 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.functional.cli import REPO, losses, run_pretrain
-from tests.launcher import free_port
+from tests.launch import REPO, free_port, losses, run_pretrain
 
 FIX = os.path.join(REPO, "tests", "fixtures", "upstream_ckpt")
 # The checkpoints record the absolute vocab path of the machine that wrote them; the tests name the copy here.
@@ -289,10 +288,10 @@ def test_unknown_layout_refused_in_preflight(tmp_path):
 
 def test_save_writes_megatron_tracker(tmp_path):
     """latest_checkpointed_iteration.txt beside 'latest', holding the iteration as upstream writes it."""
-    from tests.functional.cli import TINY
+    from tests.models import TINY_GPT
 
     save = tmp_path / "save"
-    run_pretrain(1, TINY + ["--train-iters", "2", "--save", str(save), "--save-interval", "1"],
+    run_pretrain(1, TINY_GPT + ["--train-iters", "2", "--save", str(save), "--save-interval", "1"],
                  env={"MASTER_PORT": str(free_port())})  # one process still makes a gloo group: a port of its own
     assert (save / "latest").read_text() == "global_step2"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"

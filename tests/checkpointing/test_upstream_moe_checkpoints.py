@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from tests.checkpointing.test_upstream_checkpoints import FIX, VOCAB, _flags, _recorded
-from tests.functional.cli import losses, run_pretrain
+from tests.launch import losses, run_pretrain
+from tests.models import TINY_MOE
 
 _MOE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| moe loss: ([0-9.E+-]+)")
 # make_fixtures.sh's MOE flags in ours (on top of the dense fixtures' flags)
-MOE = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-experts", "4",
-       "--expert-interval", "2", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
-       "--moe-train-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--create-moe-param-group"]
+MOE = TINY_MOE
 
 
 def _moe_model(ep_size: int = 1, ep_rank: int = 0):

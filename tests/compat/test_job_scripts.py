@@ -14,7 +14,7 @@ import re
 import pytest
 
 from tests.compat import cases_io, expect
-from tests.functional.cli import losses, run_pretrain
+from tests.launch import losses, run_pretrain
 
 _NOTE = re.compile(r"^> (--\S+) is accepted and has no effect here", re.M)
 _MOE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| moe loss: ([0-9.E+-]+)")

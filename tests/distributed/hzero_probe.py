@@ -1,6 +1,6 @@
 """Workers that train a tiny GPT under ZeRO-3, ZeRO++ hpZ and hierarchical ZeRO and count bytes per tier.
 
-Used by tests/distributed/test_hierarchical_zero.py and bench/comm_tiers.py (through tests.launcher). Byte
+Used by tests/distributed/test_hierarchical_zero.py and bench/comm_tiers.py (through tests.launch). Byte
 counting reuses tests/distributed/perf_probe.py's counters; tiers come from megatron/topology.py's placement with
 a simulated node size (``ranks_per_node``), so 8 local processes stand for 2 nodes x 2 packages x 2 GCDs.
 """

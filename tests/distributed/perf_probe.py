@@ -1,6 +1,6 @@
 """Measure what the performance model predicts, in real tiny CPU/gloo runs: bytes per collective and peak memory.
 
-Workers for ``tests.launcher.run_distributed`` (importable, so spawn can find them); the assertions live in
+Workers for ``tests.launch.run_distributed`` (importable, so spawn can find them); the assertions live in
 ``test_perf_model_measured.py``. Nothing here is a test by itself.
 """
 

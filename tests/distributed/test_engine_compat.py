@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS, GBS, MBS = 3, 2, 1
 ORNL_OPTIMIZER = {"optimizer": {"type": "Adam", "params": {"torch_adam": False, "adam_w_mode": False, "lr": "auto",

@@ -1,8 +1,9 @@
-"""Hangs and stragglers named, not waited out (gloo, pretrain_gpt's providers on spawned ranks). Blocks are patched in
-by the rank function: a rank whose main thread blocks forever in its own code (data, backward, before a pipeline
-send) while the others wait in a collective; a block inside a collective; the same with the watchdog told to ignore
-hangs (the groups' own timeout ends it); a slow rank among four, after 200 uniform iterations, a long first iteration
-and a long save. The out-of-memory checks are tests/checkpointing/test_out_of_memory.py."""
+"""Hangs and stragglers named, not waited out (gloo, pretrain_gpt's providers on forked ranks). Faults come from
+MEGATRON_FAULT (docs/faults.md, "Injecting faults in tests"): a rank whose main thread blocks forever in its own code
+(data, backward, before a pipeline send) while the others wait in a collective; a block inside a collective; the
+same with the watchdog told to ignore hangs (the groups' own timeout ends it); a slow rank among four, after 200
+uniform iterations, a long first iteration and a long save. The out-of-memory checks are
+tests/checkpointing/test_out_of_memory.py."""
 
 from __future__ import annotations
 
@@ -10,111 +11,38 @@ import glob
 import json
 import os
 import re
+import threading
 import time
 
 import pytest
-import torch
 
-from tests.checkpointing.common import BASE, _pretrain
-from tests.launcher import run_to_exit
+from tests.checkpointing.common import FAULT, _pretrain
+from tests.launch import run_to_exit
+from tests.models import CKPT_GPT
 
 HANG_TIMEOUT = 3
-HANG = BASE + ["--train-iters", "100000", "--hang-timeout", str(HANG_TIMEOUT), "--num-workers", "0"]
+HANG = CKPT_GPT + ["--train-iters", "100000", "--hang-timeout", str(HANG_TIMEOUT), "--num-workers", "0"]
 
 
-# --- what the spawned ranks patch in --------------------------------------------------------------------------------
-
-def _at(iteration: int) -> bool:
-    from megatron.progress import PROGRESS
-
-    return PROGRESS.position.iteration == iteration
-
-
-def _block(out_dir: str) -> None:
-    """Block this rank's main thread forever (its other threads live on), after noting when, and every process group's
-    timeout as this rank sees it."""
+def _take_notes(notes: str) -> None:
+    """Once a fault fires on this rank, note when, and every process group's timeout as this rank sees it (a thread
+    beside the blocked main one: it reads, it injects nothing)."""
+    import torch
     from torch.distributed.distributed_c10d import _world
 
-    rank = os.environ["RANK"]
+    from megatron.progress import PROGRESS
+
+    while PROGRESS.faults is None or PROGRESS.faults.fired_at is None:
+        time.sleep(0.1)
     timeouts = {pg.group_name: pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                 for pg in _world.pg_map}
-    with open(os.path.join(out_dir, f"blocked{rank}.json"), "w") as f:
-        json.dump({"time": time.time(), "group_timeouts": timeouts}, f)
-    while True:
-        time.sleep(1)
+    with open(os.path.join(notes, f"blocked{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"time": PROGRESS.faults.fired_at, "group_timeouts": timeouts}, f)
 
 
-class _BlockInBackward(torch.autograd.Function):
-    out_dir = ""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _block(_BlockInBackward.out_dir)
-        return grad
-
-
-def _patch(kind: str, iteration: int, out_dir: str, seconds: float | None = None) -> None:
-    """Block (``seconds`` None) or sleep / compute ``seconds`` at ``iteration`` of this rank, in ``kind``."""
-    import pretrain_gpt
-    from megatron.checkpointing import Checkpointer
-    from megatron.data.mock_dataset import MockGPTDataset
-
-    def stall(at: bool) -> None:
-        if at and seconds is None:
-            _block(out_dir)
-        elif at and kind == "slow":  # compute, not sleep: a slower rank, from ``iteration`` on
-            began = time.perf_counter()
-            while time.perf_counter() - began < seconds:
-                pass
-        elif at:
-            time.sleep(seconds)
-
-    if kind == "data":
-        get = MockGPTDataset.__getitem__
-        MockGPTDataset.__getitem__ = lambda self, idx: (stall(_at(iteration)), get(self, idx))[1]
-    elif kind in ("forward", "slow", "backward"):
-        step = pretrain_gpt.forward_step
-        _BlockInBackward.out_dir = out_dir
-
-        def forward_step(model, batch):
-            from megatron.progress import PROGRESS
-
-            if kind == "backward":
-                loss = step(model, batch)
-                return _BlockInBackward.apply(loss) if _at(iteration) else loss
-            stall(PROGRESS.position.iteration >= iteration if kind == "slow" else _at(iteration))
-            return step(model, batch)
-
-        pretrain_gpt.forward_step = forward_step
-    elif kind == "save":
-        save = Checkpointer.save
-        Checkpointer.save = lambda self, engine, it, *a, **k: (stall(it == iteration),
-                                                               save(self, engine, it, *a, **k))[1]
-    elif kind in ("send", "pipe-backward"):
-        from deepspeed.runtime.pipe import schedule
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-
-        cmd = schedule.SendActivation if kind == "send" else schedule.BackwardPass
-        run = PipelineEngine._INSTRUCTION_MAP[cmd]
-        PipelineEngine._INSTRUCTION_MAP[cmd] = lambda self, **k: (stall(_at(iteration)), run(self, **k))[1]
-    elif kind == "all_reduce":  # inside the collective: entered (and recorded), never left
-        from deepspeed.comm.torch import TorchBackend
-
-        reduce = TorchBackend.all_reduce
-        TorchBackend.all_reduce = lambda self, *a, **k: (stall(_at(iteration)), reduce(self, *a, **k))[1]
-
-
-def _rank_fn(argv: list[str], out_dir: str, patches, notes: str) -> dict:
-    """pretrain with ``patches`` [(kind, rank, iteration, seconds or None)] applied on their ranks; blocks write their
-    notes into ``notes`` (the launcher's ``out_dir`` goes away with it)."""
-    rank = int(os.environ["RANK"])
-    for kind, r, iteration, seconds in patches:
-        if r == rank:
-            _patch(kind, iteration, notes, seconds)
+def _rank_fn(argv: list[str], out_dir: str, notes: str) -> dict:
+    """pretrain; a block writes its notes into ``notes`` (the launcher's ``out_dir`` goes away with it)."""
+    threading.Thread(target=_take_notes, args=(notes,), daemon=True).start()
     return _pretrain(argv)
 
 
@@ -143,28 +71,30 @@ def _verdict(outcomes, save: str, pattern: str, culprits: list[int], where: str,
     return line
 
 
-def _launch(tmp_path, world: int, argv: list[str], patches, timeout: float = 240):
-    """``world`` ranks of ``argv`` with ``patches``; the run folder is tmp_path/run, the blocks' notes tmp_path/out."""
+def _launch(tmp_path, world: int, argv: list[str], fault: str, timeout: float = 240):
+    """``world`` ranks of ``argv`` under MEGATRON_FAULT ``fault``; the run folder is tmp_path/run, the blocks' notes
+    tmp_path/out."""
     save = tmp_path / "run"
     out = tmp_path / "out"
     out.mkdir()
-    outcomes = run_to_exit(_rank_fn, world, timeout=timeout, argv=argv + ["--save", str(save)], patches=patches,
+    outcomes = run_to_exit(_rank_fn, world, timeout=timeout, env={FAULT: fault}, argv=argv + ["--save", str(save)],
                            notes=str(out))
     return outcomes, str(save)
 
 
 @pytest.mark.timeout(300)
 def test_rank_stuck_in_data_is_named_two_ranks(tmp_path):
-    outcomes, save = _launch(tmp_path, 2, HANG, [("data", 1, 4, None)])
+    outcomes, save = _launch(tmp_path, 2, HANG, "rank=1,phase=data,iteration=4,action=block")
     _verdict(outcomes, save, r"rank 1 \(host \S+, GCD -\) is stuck in data for \d+ s at iteration 4, not in a "
-             r"collective; 1 rank waits for it: rank 0 in \w+ #\d+ of .*every rank exits$", [1], "in microbatches",
+             r"collective; 1 rank waits for it: rank 0 in \w+ #\d+ of .*every rank exits$", [1], "in train_step",
              HANG_TIMEOUT + 60)
 
 
 @pytest.mark.timeout(300)
 def test_pipeline_ranks_stuck_before_send_and_in_backward_four_ranks(tmp_path):
     outcomes, save = _launch(tmp_path, 4, HANG + ["--pipeline-model-parallel-size", "2"],
-                             [("send", 0, 3, None), ("pipe-backward", 3, 3, None)])
+                             "rank=0,phase=send activation,iteration=3,action=block;"
+                             "rank=3,phase=backward,iteration=3,action=block")
     line = _verdict(outcomes, save, r"rank 0 \(host \S+, GCD -\) is stuck in send activation for \d+ s at iteration "
                     r"3, not in a collective; 1 rank waits for it: rank 2 in recv #\d+ of p2p 0-2 during recv "
                     r"activation; also stuck: rank 3 \(host \S+, GCD -\) in backward for \d+ s", [0, 3],
@@ -178,7 +108,7 @@ def test_pipeline_ranks_stuck_before_send_and_in_backward_four_ranks(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_block_inside_a_collective_is_a_collective_hang(tmp_path):
-    outcomes, save = _launch(tmp_path, 2, HANG, [("all_reduce", 1, 4, None)])
+    outcomes, save = _launch(tmp_path, 2, HANG, "rank=1,phase=all_reduce,iteration=4,action=block")
     line = _verdict(outcomes, save, r"collective hang: every rank in all_reduce #\d+ of .* for \d+ s at iteration 4",
                     [], "", HANG_TIMEOUT + 60)
     assert "stuck_rank" not in open(os.path.join(save, "failures.jsonl")).read(), line
@@ -191,12 +121,14 @@ def test_ignored_hang_ends_at_the_groups_timeout_naming_the_rank(tmp_path):
     # end the wait; the ranks then publish their positions and the verdict still names the culprit. 0.25 minutes
     # keeps CI short; HANG_TEST_TIMEOUT_MINUTES=1 runs the issue's one minute.
     minutes = float(os.environ.get("HANG_TEST_TIMEOUT_MINUTES", "0.25"))
-    argv = BASE + ["--train-iters", "100000", "--hang-timeout", "0", "--distributed-timeout-minutes", str(minutes),
-                   "--num-workers", "0", "--watchdog-timeout-secs", "6"]  # 1 s beats: the verdict follows in seconds
-    outcomes, save = _launch(tmp_path, 2, argv, [("data", 1, 4, None)], timeout=60 * minutes + 240)
+    argv = CKPT_GPT + ["--train-iters", "100000", "--hang-timeout", "0", "--distributed-timeout-minutes",
+                       str(minutes), "--num-workers", "0",
+                       "--watchdog-timeout-secs", "6"]  # 1 s beats: the verdict follows in seconds
+    outcomes, save = _launch(tmp_path, 2, argv, "rank=1,phase=data,iteration=4,action=block",
+                             timeout=60 * minutes + 240)
     line = _verdict(outcomes, save, r"rank 1 \(host \S+, GCD -\) is stuck in data for \d+ s at iteration 4, not in a "
                     r"collective; 1 rank waits for it: rank 0 in all_reduce #\d+ of group \d+ during \w+ \(rank 0's "
-                    r"all_reduce failed first: .*\)", [1], "in microbatches", 60 * minutes + 45)
+                    r"all_reduce failed first: .*\)", [1], "in train_step", 60 * minutes + 45)
     print(line)
 
 
@@ -205,10 +137,11 @@ def test_ignored_hang_ends_at_the_groups_timeout_naming_the_rank(tmp_path):
 def test_straggler_named_after_uniform_iterations_long_save_and_first_iteration(tmp_path):
     # 4 ranks on the CI machine's cores, rank 0 logging every iteration; a 4 s first iteration (rank 1) and a 4 s save
     # (rank 0) under --hang-timeout 2; 200 uniform iterations; then rank 2 computes 0.2 s more per step.
-    argv = BASE + ["--train-iters", "220", "--hang-timeout", "2", "--num-workers", "0", "--straggler-interval", "5",
-                   "--save-interval", "100"]
-    outcomes, save = _launch(tmp_path, 4, argv, [("forward", 1, 1, 4.0), ("save", 0, 100, 4.0), ("slow", 2, 201, 0.2)],
-                             timeout=360)
+    argv = CKPT_GPT + ["--train-iters", "220", "--hang-timeout", "2", "--num-workers", "0", "--straggler-interval", "5",
+                       "--save-interval", "100"]
+    outcomes, save = _launch(tmp_path, 4, argv, "rank=1,phase=forward,iteration=1,action=sleep:4;"
+                             "rank=0,phase=save,iteration=100,action=sleep:4;"
+                             "rank=2,phase=forward,iteration=201+,action=spin:0.2", timeout=360)
     assert all(o.exitcode == 0 and o.error is None and o.result for o in outcomes), \
         [(o.exitcode, o.error, o.output[-1500:]) for o in outcomes]
     summary = outcomes[0].result

@@ -13,7 +13,7 @@ import pytest
 from megatron.core.hierarchical_zero.accounting import tier_bytes
 from megatron.topology import frontier_placement
 from tests.distributed.hzero_probe import reference_losses, worker
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS, GBS = 10, 8
 TINY = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2}

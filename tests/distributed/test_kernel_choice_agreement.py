@@ -3,7 +3,7 @@
 Replicated weights (norm gamma/beta) get no TP all-reduce, so two TP ranks running different kernels would
 let them drift apart. Each rank here is given a fake timer that makes a *different* backend fastest."""
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 
 def _worker():

@@ -16,7 +16,7 @@ from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import estimate_memory
 from tests.distributed.perf_probe import ObserverCounter
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS, GBS, MBS, SEQ, VOCAB, SEED = 3, 8, 2, 16, 120, 5
 TOL = 1e-5

@@ -38,7 +38,7 @@ from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import Layout
 from megatron.perf.memory import estimate_memory
 from tests.distributed.perf_probe import pipe_probe_worker, probe_worker
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 MODEL_KW = {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64, "vocab_size": 512}
 MBS, BUCKET = 2, 100_000

@@ -13,7 +13,7 @@ and without token dropping: the lm loss, MoE loss and gradient norm of every ste
 import pytest
 import torch
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS, GBS, MBS, SEQ, VOCAB = 10, 8, 1, 16, 120
 MOE_STEPS, MOE_MBS, MOE_TOL = 4, 2, 1e-5

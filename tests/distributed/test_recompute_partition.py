@@ -3,7 +3,7 @@ loss and every gradient equal the unpartitioned recompute's (dropout on, so the 
 
 import pytest
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 
 def _cfg(partition: bool):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 TOL = 1e-5
 

@@ -7,7 +7,7 @@ on the pipeline engine (ZeRO-0 tied GPT-2, ZeRO-1 Llama)."""
 import pytest
 import torch
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 TOL = 1e-5
 STEPS, GBS, MBS, SEQ = 6, 4, 1, 16

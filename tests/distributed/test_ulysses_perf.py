@@ -5,7 +5,7 @@ processes measures both (module fixture)."""
 import pytest
 
 from tests.distributed.ulysses_probe import measure
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS = 2
 CONFIGS = [{"tp": 1, "ulysses": 4, "recompute": "full"}, {"tp": 2, "ulysses": 2}]

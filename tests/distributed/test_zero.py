@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
 
 STEPS, GBS, MBS = 10, 4, 1
 

@@ -1,6 +1,6 @@
 """Measure DeepSpeed-Ulysses in real gloo runs: all-to-all bytes through megatron/core/comm.py's observer, and the
 activation bytes each rank keeps for backward (megatron/perf/saved_tensors.py). Workers for
-``tests.launcher.run_distributed``, used by tests/distributed/test_ulysses_perf.py and bench/ulysses_memory.py."""
+``tests.launch.run_distributed``, used by tests/distributed/test_ulysses_perf.py and bench/ulysses_memory.py."""
 
 from __future__ import annotations
 

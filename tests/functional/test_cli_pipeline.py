@@ -3,21 +3,14 @@ the end, are the same for PP=1 on 1 process, PP=2 on 2 processes and TP=2 x PP=2
 0, clipping active; the pipeline engine's eval_batch). TP=2 x PP=2 x DP=2 on 8 processes is checked against one
 process in tests/distributed/test_pipeline.py."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.launcher import free_port
+from tests.launch import TIMED_OUT, run_pretrain
+from tests.models import TINY_GPT, replaced
 
-ROOT = Path(__file__).resolve().parents[2]
-FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
-         "--mock-data", "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "1",
-         "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "100"]
+FLAGS = replaced(TINY_GPT, {"--eval-iters": "1"}) + ["--eval-interval", "100"]
 LOSS = re.compile(r"iteration\s+10/\s+10 \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
 END = re.compile(r"validation loss at iteration 10 on 8-sample draw from (validation|test) set \| lm loss value: (\S+)")
 
@@ -27,13 +20,8 @@ def _end_losses(stdout: str) -> dict[str, float]:
 
 
 def _torchrun(nproc: int, *extra: str) -> tuple[float, float, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(ROOT / "pretrain_gpt.py"), *FLAGS, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as e:  # subprocess.run kills the launcher; torchrun then stops its workers
-        raise AssertionError(f"{nproc} processes {extra}: timed out\n{e.stdout}") from e
+    out = run_pretrain(nproc, [*FLAGS, *extra], timeout=240, check=False, torchrun=True)
+    assert out.returncode != TIMED_OUT, f"{nproc} processes {extra}: timed out\n{out.stdout}"
     m = LOSS.search(out.stdout)
     assert m, f"{nproc} processes {extra}: no iteration-10 line (exit {out.returncode})\n{out.stdout}\n{out.stderr}"
     return float(m.group(1)), float(m.group(2)), out.stdout

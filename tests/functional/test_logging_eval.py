@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.cli import TINY, losses, run_pretrain
-from tests.launcher import free_port
+from tests.launch import free_port, losses, run_pretrain
+from tests.models import TINY_GPT
 
 EVAL = re.compile(r"^-+\n validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \| \n-+$", re.M)
 FLAGS = ["--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
@@ -35,7 +35,7 @@ EXTRAS = _series("grad-norm/grad-norm", "params-norm/params-norm") | {
 
 
 def _args(**over) -> list[str]:
-    argv = list(TINY)
+    argv = list(TINY_GPT)
     for flag, value in over.items():
         i = argv.index(flag)
         argv[i + 1] = value
@@ -130,7 +130,7 @@ def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
 
 
 def test_wandb_is_refused_in_one_line():
-    proc = run_pretrain(1, TINY + ["--wandb-project", "p"], check=False, env={"MASTER_PORT": str(free_port())})
+    proc = run_pretrain(1, TINY_GPT + ["--wandb-project", "p"], check=False, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--wandb-project" in proc.stderr and "--tensorboard-dir" in \
         proc.stderr, proc.stderr

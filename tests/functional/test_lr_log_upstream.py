@@ -6,15 +6,14 @@ import json
 import os
 import re
 
-from tests.functional.cli import REPO, run_pretrain
+from tests.launch import REPO, run_pretrain
+from tests.models import SCHEDULE_GPT
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "lr_schedule", "upstream_lr.json")
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| learning rate: ([0-9.E+-]+) \| global batch size:\s+(\d+) \|")
 
 
-TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data", "--vocab-size",
-        "64", "--make-vocab-size-divisible-by", "16", "--log-interval", "1", "--eval-iters", "0",
-        "--use-cpu-initialization"]
+TINY = SCHEDULE_GPT
 
 
 def _logged(case: dict, seq_length: str) -> tuple[dict, dict, str]:

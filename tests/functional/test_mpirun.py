@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests.functional.cli import REPO, TINY, losses, run_pretrain
-from tests.launcher import free_port
+from tests.launch import MPI_AND_SLURM, PRETRAIN, clean_env, free_port, losses, run_command, run_pretrain
+from tests.models import TINY_GPT
 
-ARGS = TINY + ["--tensor-model-parallel-size", "2"]
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID")
+ARGS = TINY_GPT + ["--tensor-model-parallel-size", "2"]
 
 
 def _mpirun() -> str | None:
@@ -30,20 +27,13 @@ def _mpirun() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("mpirun")
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    return env
-
-
 @pytest.mark.timeout(600)
 def test_mpirun_tp2_discovers_ranks_via_mpi_and_matches_torchrun():
     mpirun = _mpirun()
     if mpirun is None:
         pytest.skip("mpirun not found (neither next to the venv's python nor on PATH)")
-    cmd = [mpirun, "-n", "2", sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *ARGS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=_clean_env())
+    cmd = [mpirun, "-n", "2", sys.executable, PRETRAIN, *ARGS]
+    proc = run_command(cmd, 300, env=clean_env({"MASTER_PORT": str(free_port())}, drop=MPI_AND_SLURM))
     assert proc.returncode == 0, f"mpirun exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "> ranks discovered via mpi (2 ranks, 2 per node)" in proc.stdout, proc.stdout[-3000:]
     got = losses(proc.stdout)

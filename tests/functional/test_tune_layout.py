@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import tune_layout  # noqa: E402
 
-from megatron.config import ModelConfig  # noqa: E402
 from megatron.perf.flops import iteration_flops  # noqa: E402
 from megatron.perf.layout import Layout  # noqa: E402
+from tests.models import GPT_H64  # noqa: E402
 
 LINE = (" iteration        4/       6 | consumed samples:           32 | consumed tokens:           2048 | "
         "elapsed time per iteration (ms): 40.7 | learning rate: 0.000E+00 | global batch size:     8 | "
@@ -33,7 +34,7 @@ LINE = (" iteration        4/       6 | consumed samples:           32 | consume
 
 def test_parse_log_and_the_logs_formula():
     assert tune_layout.parse_log("noise\n" + LINE + "\n") == [(4, 40.7, 0.01)]
-    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512)
+    m = GPT_H64.config(seq_length=64, vocab_size=512)
     lay = Layout.of(tp=1, pp=1, dp=2, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="fp32")
     want = iteration_flops(m, 8, m.padded_vocab_size(1)).total / 0.0407 / 2 / 1e12
     assert tune_layout.measured_tflops(m, lay, 40.7) == pytest.approx(want, rel=1e-12)
@@ -51,8 +52,8 @@ def test_rank_agreement_and_order():
 @pytest.mark.timeout(600)
 def test_tuner_runs_three_layouts_and_ranks_by_measurement(tmp_path):
     out = tmp_path / "trials.json"
-    cmd = [sys.executable, str(ROOT / "tools" / "tune_layout.py"), "--num-layers", "2", "--hidden-size", "64",
-           "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "256", "--gcds", "1",
+    shape = replace(GPT_H64, seq_length=64, vocab_size=256)
+    cmd = [sys.executable, str(ROOT / "tools" / "tune_layout.py"), *shape.flags(), "--gcds", "1",
            "--global-batch-size", "8", "--top-k", "3", "--micro-batch-sizes", "2", "4", "--train-iters", "4",
            "--log-interval", "2", "--timeout", "240", "--json-out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
@@ -62,7 +63,7 @@ def test_tuner_runs_three_layouts_and_ranks_by_measurement(tmp_path):
     measured = [t["measured_tflops"] for t in trials]
     assert measured == sorted(measured, reverse=True)  # reported ranking == measured ranking
     assert sorted(t["predicted_rank"] for t in trials) == list(range(1, 4))
-    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
+    m = shape.config()
     for t in trials:
         lay = re.match(r"TP=1 PP=1 DP=1 MBS=(\d) ZeRO=(\d)( \(recompute=full\))?", t["layout"])
         layout = Layout.of(tp=1, pp=1, dp=1, micro_batch_size=int(lay[1]), global_batch_size=8, zero_stage=int(lay[2]),

@@ -1,9 +1,9 @@
 """What the GPU tests share: the CPU tests' argument lists made device-neutral, and loss comparisons.
 
-The GPU tests start pretrain_gpt.py through the CPU tests' own launchers (tests/functional/cli.py for
-subprocesses, tests/checkpointing/common.py for spawned ranks), so the code path is the one the CPU suite checks;
-only the process-group backend (the accelerator's own: NCCL/RCCL) and the kernel choice differ. The pure logic
-here is checked on CPU by tests/unit/test_gpu_suite_helpers.py.
+The GPU tests start pretrain_gpt.py through the CPU tests' own launcher (tests/launch/: ``run_pretrain`` for
+subprocesses, tests/checkpointing/common.py's helpers for function ranks), so the code path is the one the CPU suite
+checks; only the process-group backend (the accelerator's own: NCCL/RCCL) and the kernel choice differ. The pure
+logic here is checked on CPU by tests/unit/test_gpu_suite_helpers.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import os
 
-from tests.functional.cli import TINY, losses, run_pretrain
-from tests.launcher import free_port
+from tests.launch import free_port, losses, run_pretrain
+from tests.models import TINY_GPT
 
 # Measuring kernels picks the fastest backend per run from timings: two runs could pick different kernels and
 # differ in the last bits. Comparisons pin the fixed preference; the default-backend test measures on purpose.
@@ -21,7 +21,7 @@ BF16_REL = 3e-2
 """Relative loss tolerance between a bf16/fp16 run and an fp32 reference after ITERS steps (8-bit mantissa); runs of
 one dtype are compared over the whole trajectory instead (assert_same_trajectory)."""
 ITERS = 30
-# TINY at lr 1e-3 moves the loss by 1% in 10 steps; at 5e-3 over 30 steps it falls 6.26 -> 5.47 (fp32, CPU),
+# TINY_GPT at lr 1e-3 moves the loss by 1% in 10 steps; at 5e-3 over 30 steps it falls 6.26 -> 5.47 (fp32, CPU),
 # smoothly (2e-2 overshoots first), so "it learned" and "it agrees" are both meaningful.
 SCHEDULE = ["--lr", "5e-3", "--train-iters", str(ITERS)]
 
@@ -52,10 +52,10 @@ def _run(nproc: int, args: tuple[str, ...], env: tuple[tuple[str, str], ...]) ->
 
 
 def train(extra: list[str], nproc: int = 1, env: dict | None = None) -> dict[int, float]:
-    """iteration -> logged lm loss of pretrain_gpt.py on the TINY model for ITERS steps (cached per flag set).
+    """iteration -> logged lm loss of pretrain_gpt.py on the TINY_GPT model for ITERS steps (cached per flag set).
     On CPU this gives the same numbers as on a GPU up to rounding (used to choose SCHEDULE and tolerances)."""
     env = dict(STATIC_KERNELS, **(env or {}))
-    return _run(nproc, tuple(device_args(TINY) + SCHEDULE + extra), tuple(sorted(env.items())))
+    return _run(nproc, tuple(device_args(TINY_GPT) + SCHEDULE + extra), tuple(sorted(env.items())))
 
 
 def _logged_and_learned(losses_: dict[int, float], who: str, at: int) -> None:
@@ -74,7 +74,7 @@ def assert_trains_like(got: dict[int, float], ref: dict[int, float], rel: float,
 TRAJECTORY_FRACTION = 0.5
 """Two runs of one model in the same dtype (bf16 layouts) agree at every iteration within this fraction of the
 reference's mean loss drop per iteration: 0.014 for SCHEDULE (6.26 -> 5.45 over 30 steps). Measured on CPU (bf16,
-TINY, SCHEDULE, gloo): TP=2, TP=2 SP, PP=2, DP=2 ZeRO-1 and ZeRO-3 differ from one process by at most 0.0022 at any
+TINY_GPT, SCHEDULE, gloo): TP=2, TP=2 SP, PP=2, DP=2 ZeRO-1 and ZeRO-3 differ from one process by at most 0.0022 at any
 iteration; a run one update behind differs by 0.07 on average, a constant 0.02 off fails too."""
 
 

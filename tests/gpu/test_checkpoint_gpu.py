@@ -10,13 +10,13 @@ import signal
 import pytest
 import torch
 
-from tests.checkpointing.common import BASE, LLAMA, check_resume_exact, pretrain_on, slow_async_pretrain
+from tests.checkpointing.common import check_resume_exact, pretrain_on, slow_async_pretrain
 from tests.checkpointing.test_exits import test_signal_saves_exits_zero_and_resumes as signal_test
 from tests.checkpointing.test_resume import _batch
 from tests.gpu.helpers import BF16_REL, STATIC_KERNELS, device_args
-from tests.launcher import run_distributed
+from tests.models import CKPT_GPT, LLAMA
 
-GPU_BASE = device_args(BASE)
+GPU_BASE = device_args(CKPT_GPT)
 
 
 @pytest.fixture(autouse=True)
@@ -82,9 +82,8 @@ def test_host_copy_goes_to_pinned_buffers_reused_between_saves():
 def test_bf16_resume_exact_from_a_background_save(tmp_path):
     save = str(tmp_path / "ckpt")
     args = GPU_BASE + ["--bf16", "--zero-stage", "1", "--train-iters", "4"]
-    got = run_distributed(slow_async_pretrain, 1, timeout=300, argv=args + ["--async-save", "--save", save,
-                                                                           "--save-interval", "2"],
-                          slow_tag="global_step2.tmp-", slow_s=1.0)[0]
+    got = slow_async_pretrain(1, args + ["--async-save", "--save", save, "--save-interval", "2"],
+                              slow_tag="global_step2.tmp-", slow_s=1.0, timeout=300)
     events = got["events"]
     assert events.index(("commit", "global_step2")) > events.index(("iteration", 3)), events
     with open(f"{save}/latest", "w") as f:

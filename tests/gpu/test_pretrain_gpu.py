@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpointing.common import LLAMA
+from tests.models import LLAMA
 from tests.gpu.helpers import BF16_REL, assert_same_trajectory, assert_trains_like, train
 
 FP32_REF = ["--zero-stage", "0"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pretrain_gpt
 from megatron.errors import run_cli
+from tests.models import CONFIG_GPT_H64
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3",
-        "--mock-data", "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0"]
+BASE = CONFIG_GPT_H64 + ["--log-interval", "1", "--eval-iters", "0"]
 
 
 class ReachedProcessGroup(Exception):

@@ -20,6 +20,9 @@ from megatron.checkpointing.live.host_copy import HostCopier
 from megatron.checkpointing.live.safe_io import SafeCheckpointEngine
 from megatron.core import comm
 from megatron.errors import CheckpointError
+from tests.models import CONFIG_GPT, replaced
+
+ONE_SAMPLE = replaced(CONFIG_GPT, {"--global-batch-size": "1"})
 
 
 class _Scaler:
@@ -94,9 +97,7 @@ def _one_rank(monkeypatch, tmp_path, keep_last=None):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
     monkeypatch.setattr(comm, "reduce_host", lambda values, *a, **k: sent.append(list(values)) or list(values))
     monkeypatch.setattr(comm, "all_gather_object", lambda obj, *a, **k: [obj])
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "200", "--save", str(tmp_path), "--async-save"]
+    argv = ONE_SAMPLE + ["--save", str(tmp_path), "--async-save"]
     if keep_last:
         argv += ["--keep-last-n-checkpoints", str(keep_last)]
     return run_config_from_args(parse_args(argv), 1, 200), sent
@@ -195,9 +196,7 @@ def test_flag_and_deepspeed_writer_keys(tmp_path):
     from megatron.engine import build_ds_config
     from megatron.errors import ConfigError
 
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "200"]
+    base = ONE_SAMPLE
     with pytest.raises(ConfigError, match="^--async-save without --save: nothing would be saved"):
         run_config_from_args(parse_args(base + ["--async-save"]), 1, 200)
     run = run_config_from_args(parse_args(base + ["--async-save", "--save", str(tmp_path)]), 1, 200)

@@ -12,6 +12,7 @@ from megatron.checkpointing.ds_layout.files import expected_files
 from megatron.checkpointing.live import integrity, space
 from megatron.checkpointing.live.verify import missing_or_short
 from megatron.checkpointing.locate import expected_files as layout_of
+from tests.models import GPT_H32
 
 
 def test_written_hash_is_the_files_hash_and_the_reread_agrees(tmp_path):
@@ -68,8 +69,7 @@ def test_checkpoint_size_and_low_space_warning(monkeypatch, capsys, tmp_path):
     from megatron.arguments import parse_args, run_config_from_args
     from megatron.preflight import check_save_space
 
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--lr", "1e-3", "--train-iters", "2", "--mock-data", "--save", str(tmp_path)]
+    argv = GPT_H32.flags() + ["--lr", "1e-3", "--train-iters", "2", "--mock-data", "--save", str(tmp_path)]
     args = parse_args(argv)
     run = run_config_from_args(args, 1, 200)
     # Hand count of this GPT-2 shape (vocab 200 padded to 256, 16 positions, h 32, ffn 128, tied output):

@@ -9,10 +9,9 @@ from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing.support import ENGINES, check_supported, engine_kind
 from megatron.engine import build_ds_config
 from megatron.errors import ConfigError
+from tests.models import CONFIG_GPT, replaced
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2",
-        "--mock-data", "--vocab-size", "128"]
+BASE = replaced(CONFIG_GPT, {"--train-iters": "2", "--vocab-size": "128"})
 
 # Engine -> (world size, flags).
 LAYOUTS = {

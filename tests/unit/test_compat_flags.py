@@ -150,7 +150,7 @@ def test_compatibility_doc_table_is_current():
     import subprocess
     import sys
 
-    from tests.functional.cli import REPO
+    from tests.launch import REPO
 
     proc = subprocess.run([sys.executable, "tools/compat_table.py", "--check"], cwd=REPO, capture_output=True,
                           text=True)

@@ -15,10 +15,9 @@ from megatron.config import RunConfig
 from megatron.engine import NOTES_KEY, build_ds_config
 from megatron.errors import ConfigError
 from megatron.tokenizer import FixedVocabulary
+from tests.models import CONFIG_GPT_L4, replaced
 
-FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "4", "--mock-data",
-         "--vocab-size", "128"]
+FLAGS = replaced(CONFIG_GPT_L4, {"--micro-batch-size": "1", "--train-iters": "4"})
 
 
 def _configure(tmp_path, ds: dict | None, *extra: str, world: int = 8) -> RunConfig:

@@ -18,6 +18,7 @@ from megatron.progress import this_host
 from megatron.resilience import deadline as dl
 from megatron.resilience import failure_record as fr
 from megatron.resilience import run_files
+from tests.models import GPT_H64
 
 END = 10_000.0
 
@@ -119,10 +120,10 @@ def test_before_any_save_the_prediction_is_bytes_over_a_probed_rate(tmp_path):
 
 
 def test_bytes_per_writer_splits_weights_over_tp_pp_and_optimizer_over_all():
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                       "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
-                       "--vocab-size", "256", "--bf16", "--tensor-model-parallel-size", "2", "--zero-stage", "1",
-                       "--lr", "1e-3", "--train-iters", "10"])
+    args = parse_args(GPT_H64.flags() + ["--max-position-embeddings", "32", "--micro-batch-size", "1",
+                                         "--global-batch-size", "8", "--vocab-size", "256", "--bf16",
+                                         "--tensor-model-parallel-size", "2", "--zero-stage", "1", "--lr", "1e-3",
+                                         "--train-iters", "10"])
     run = run_config_from_args(args, 8, 256)
     from megatron.checkpointing.live.space import checkpoint_bytes
 
@@ -139,8 +140,7 @@ def test_the_signal_lead_warning(tmp_path):
     assert quiet == []
 
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--lr", "1e-3", "--train-iters", "10"]
+TINY = GPT_H64.flags() + ["--lr", "1e-3", "--train-iters", "10"]
 
 
 def test_settings_from_flags_and_the_job_environment():

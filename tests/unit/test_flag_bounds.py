@@ -7,10 +7,9 @@ import pytest
 from megatron.arguments import build_parser, parse_args, run_config_from_args
 from megatron.errors import MegatronError
 from megatron.flag_bounds import BOUNDS, numeric_actions
+from tests.models import CONFIG_GPT
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
-        "--mock-data", "--vocab-size", "200"]
+TINY = CONFIG_GPT
 VALUES = (0, -1, 10**12)
 
 

@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from tests.checkpointing.common import BASE
-from tests.functional.cli import REPO
+from tests.launch import REPO
+from tests.models import CKPT_GPT
 from tests.gpu.helpers import ITERS, assert_same_trajectory, assert_trains_like, device_args
 
 
 def test_device_args_drop_only_the_gloo_backend():
-    assert "--distributed-backend" in BASE
-    got = device_args(BASE)
+    assert "--distributed-backend" in CKPT_GPT
+    got = device_args(CKPT_GPT)
     assert "--distributed-backend" not in got and "gloo" not in got
-    assert len(got) == len(BASE) - 2 and [a for a in BASE if a not in ("--distributed-backend", "gloo")] == got
+    assert len(got) == len(CKPT_GPT) - 2 and [a for a in CKPT_GPT if a not in ("--distributed-backend", "gloo")] == got
     assert device_args(["--distributed-backend", "nccl", "--x"]) == ["--distributed-backend", "nccl", "--x"]
 
 

@@ -9,10 +9,9 @@ from megatron.config import MoEConfig
 from megatron.config.sizes import named_model
 from megatron.core.parallel_state import GroupInfo
 from megatron.errors import run_cli
+from tests.models import CONFIG_GPT_L4
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3",
-        "--mock-data", "--vocab-size", "128"]
+BASE = CONFIG_GPT_L4
 
 
 def test_experts_per_layer_is_upstreams_placement():

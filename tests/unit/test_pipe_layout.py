@@ -19,6 +19,7 @@ from megatron.model.gpt_model import GPTModel
 from megatron.model.gpt_model_pipe import check_topology, partition, spec_kinds, stage_contents
 from megatron.config.sizes import named_model
 from megatron.training.layout_report import layout_report, model_features
+from tests.models import GPT_H64
 
 
 def _state(world, tp, pp, rank=0) -> ParallelState:
@@ -112,8 +113,8 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--no-pipeline-parallel"]
+    argv = GPT_H64.flags() + ["--lr", "1e-3", "--train-iters", "1", "--pipeline-model-parallel-size", "2",
+                              "--no-pipeline-parallel"]
     with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
         pretrain_from_flags(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))
 

@@ -5,7 +5,6 @@ named by messages exist; a validation error is printed once per job but every ra
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,9 +13,8 @@ from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing.resume_checks import RESHARD_DOC
 from megatron.checkpointing.state import plain_run
 from megatron.errors import ConfigError, launcher_rank
+from tests.launch import PRETRAIN, REPO, start_ranks
 from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group, with_flag
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fake_checkpoint(root, argv: list[str], world: int, tag: str = "global_step2", meta: bool = True) -> str:
@@ -117,14 +115,10 @@ def test_launcher_rank():
 def test_error_once_per_job_exit_2_on_every_rank(tmp_path):
     """Two real ranks of one job (launched without torchrun: they never reach a rendezvous)."""
     (tmp_path / "file").write_text("x")
-    argv = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *BASE, "--save", str(tmp_path / "file" / "c")]
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29558", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=REPO))
-    results = [(p.wait(timeout=180), *p.communicate()) for p in procs]
+    argv = [sys.executable, PRETRAIN, *BASE, "--save", str(tmp_path / "file" / "c")]
+    with start_ranks(2, argv, str(tmp_path)) as ranks:
+        codes = ranks.wait(180)
+    results = [(codes[r], ranks.output(r), ranks.output(r, "err")) for r in range(2)]
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 2, (rank, err[-2000:])
         assert "Traceback" not in err and "iteration" not in out and "DeepSpeed engine" not in out

@@ -3,8 +3,6 @@ line within --rendezvous-timeout-secs. Loopback only: no test contacts any other
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -16,8 +14,8 @@ from megatron.errors import ConfigError, DistributedError
 from megatron.config import RuntimeConfig
 from megatron.rendezvous import rendezvous_store, resolve_master
 from megatron.topology import RankInfo, discover_ranks, parse_nodelist
-from tests.functional.cli import REPO, TINY
-from tests.launcher import free_port
+from tests.launch import free_port, run_pretrain, start_ranks
+from tests.models import TINY_GPT
 
 # What the ORNL/OLCF launchers leave in every task: MASTER_ADDR=$SLURM_SUBMIT_HOST (a login node). The name
 # is in the reserved .invalid domain, so nothing can ever resolve or reach it.
@@ -131,12 +129,10 @@ def test_single_process_needs_no_port():
 def test_pretrain_with_unreachable_master_ends_in_one_line():
     """A non-zero rank whose MASTER_ADDR:MASTER_PORT has no listener: torch alone retries for 10 minutes."""
     port = free_port()
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *TINY, "--master-port", str(port),
-           "--rendezvous-timeout-secs", "2"]
+    env = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    proc = run_pretrain(1, TINY_GPT + ["--master-port", str(port), "--rendezvous-timeout-secs", "2"], timeout=120,
+                        env=env, check=False)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -162,25 +158,23 @@ sys.exit(run_cli(main))
 """
 
 
-def test_two_slurm_tasks_with_the_submit_host_as_master_meet_on_the_first_node():
+def test_two_slurm_tasks_with_the_submit_host_as_master_meet_on_the_first_node(tmp_path):
     """The ORNL launcher's environment, with a one-node job on 'localhost': both tasks must meet there."""
-    port = free_port()
-    procs = []
-    for rank in (1, 0):
-        env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2",
-                   SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost",
-                   SLURM_SUBMIT_HOST=SUBMIT, MASTER_ADDR=SUBMIT, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, "-c", _JOIN], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0 and "sum 3" in out, err[-2000:]
-    rank0_out = outs[1][0]
+
+    def slurm_task(rank: int, world: int, port: int) -> dict[str, str]:
+        return dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_LOCALID=str(rank),
+                    SLURM_NODEID="0", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_HOST=SUBMIT,
+                    MASTER_ADDR=SUBMIT, MASTER_PORT=str(port))
+
+    with start_ranks(2, [sys.executable, "-c", _JOIN], str(tmp_path), rank_vars=slurm_task) as ranks:
+        codes = ranks.wait(120)
+    outs = [(ranks.output(r), ranks.output(r, "err")) for r in range(2)]
+    for code, (out, err) in zip(codes, outs, strict=True):
+        assert code == 0 and "sum 3" in out, err[-2000:]
+    rank0_out = outs[0][0]
     notes = [line for line in rank0_out.splitlines() if SUBMIT in line]
     assert len(notes) == 1 and "localhost" in notes[0], rank0_out
-    assert SUBMIT not in outs[0][0]  # the note is printed once, by rank 0
+    assert SUBMIT not in outs[1][0]  # the note is printed once, by rank 0
 
 
 def test_nccl_requested_without_nccl_uses_the_accelerators_backend(monkeypatch, capsys):

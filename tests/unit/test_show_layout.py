@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from megatron.arguments.dry_run import configure_dry_run
-from megatron.config import ModelConfig
 from megatron.errors import ConfigError, run_cli
 from megatron.config.sizes import named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_memory
+from tests.models import GPT_H64
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -93,8 +93,7 @@ def test_explicit_shape_flags_and_ignored_training_flags(capsys):
                               "--num-attention-heads", "4", "--seq-length", "32", "--tensor-model-parallel-size", "2",
                               "--lr", "1e-4", "--data-path", "x", "--mock-data"])
     assert rc == 0
-    params = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                         vocab_size=50257).num_parameters(2)
+    params = GPT_H64.config(vocab_size=50257).num_parameters(2)
     assert f"{params / 1e9:.2f}B parameters" in out
     assert "fp32" in out and "flash" not in out.splitlines()[0]
     assert out.rstrip().endswith("(ignored training flags: --data-path --lr --mock-data)")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.functional.cli import REPO
+from tests.launch import REPO
 from tests.skips import Allowed, check, read_allowlist
 
 SCRATCH = '''

@@ -15,6 +15,7 @@ from megatron.progress import PROGRESS
 from megatron.resilience import run_files
 from megatron.resilience.failure_record import DEVICE_ERROR, FILE, OUT_OF_MEMORY, read_records
 from megatron.resilience.supervisor import Supervisor, tracks_collectives
+from tests.models import CONFIG_GPT
 
 
 @pytest.fixture
@@ -27,9 +28,7 @@ def one_rank(monkeypatch):
 
 
 def _run(tmp_path, *flags: str):
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "200", "--save", str(tmp_path), *flags]
+    argv = CONFIG_GPT + ["--save", str(tmp_path), *flags]
     return run_config_from_args(parse_args(argv), 1, 200)
 
 

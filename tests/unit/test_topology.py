@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from megatron.topology import (
     parse_nodelist,
     parse_tasks_per_node,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launch import MPI_AND_SLURM, clean_env, run_command
 
 # FRONTIER.md, typed in by hand (not derived from the module): local rank -> (GCD, NUMA, first core of its L3).
 # "srun ... --gpu-bind=closest places local ranks 0..7 on GCDs 4,5,2,3,6,7,0,1" + the NUMA/cores table.
@@ -165,10 +163,8 @@ def test_real_mpirun_discovery_via_mpi4py(tmp_path):
     code = ("from megatron.topology import discover_ranks; i = discover_ranks(); assert discover_ranks() == i; "
             "open(f'rank{i.rank}.txt', 'w').write(' '.join(map(str, (i.rank, i.world_size, i.local_rank, "
             "i.local_world_size, i.node_index, i.master_addr, i.source))))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([mpirun, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                         timeout=120, env=env, cwd=tmp_path)
+    out = run_command([mpirun, "-n", "2", sys.executable, "-c", code], 120, env=clean_env(drop=MPI_AND_SLURM),
+                      cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [
         "0 2 0 2 0 127.0.0.1 mpi", "1 2 1 2 0 127.0.0.1 mpi"]

@@ -1,19 +1,15 @@
 """Every user-caused configuration error gives one line that names the flags, and exit code 2."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 import pretrain_gpt
 from megatron.errors import run_cli
+from tests.launch import run_pretrain
+from tests.models import CONFIG_GPT_H64
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3",
-        "--mock-data", "--vocab-size", "128"]
+BASE = CONFIG_GPT_H64
 
 
 def _with(flag: str, value: str | None = None) -> list[str]:
@@ -76,9 +72,8 @@ def test_ds_config_invalid_json(tmp_path, monkeypatch, capsys):
 
 def test_cli_prints_no_traceback():
     """The real entry point: one stderr line (besides library warnings), exit 2."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *BASE, "--fp16", "--bf16"],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    proc = run_pretrain(1, BASE + ["--fp16", "--bf16"], timeout=120, env=env, check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -14,7 +14,7 @@ import torch.distributed as tdist
 from megatron.progress import Identity, Progress
 from megatron.resilience import watchdog as wd
 from megatron.resilience.failure_record import FailureLog
-from tests.launcher import free_port
+from tests.launch import free_port
 
 
 class CountingStore:
@@ -35,12 +35,11 @@ class Ranks:
     """``world`` in-process ranks: a progress record and a watchdog each, on one real TCPStore; ``died`` collects the
     line each watchdog thread would exit the process with (that rank's watchdog stops instead)."""
 
-    def __init__(self, world: int, tmp_path, monkeypatch, timeout: float = 30.0, hang_timeout: float = 1.0) -> None:
+    def __init__(self, world: int, tmp_path, timeout: float = 30.0, hang_timeout: float = 1.0) -> None:
         port = free_port()
         self.master = tdist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10),
                                      wait_for_workers=False)
         self.died: dict[str, str] = {}
-        monkeypatch.setattr(wd, "_die", self._die)
         self.dogs, self.progress = [], []
         for r in range(world):
             p = Progress()
@@ -50,9 +49,9 @@ class Ranks:
             self.progress.append(p)
             settings = wd.WatchdogSettings(timeout, hang_timeout, 100.0, 100.0, 60.0, str(tmp_path),
                                            FailureLog.in_folder(str(tmp_path)))
-            self.dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p))
+            self.dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p, die=self.died_with))
 
-    def _die(self, msg: str) -> None:
+    def died_with(self, msg: str) -> None:
         name = threading.current_thread().name
         self.died[name] = msg
         self.dogs[int(name.rsplit("-", 1)[1])]._stop.set()
@@ -63,7 +62,7 @@ class Ranks:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """Before the monkeypatch of ``_die`` is undone: the real one would end pytest."""
+        """Every watchdog thread stopped (each only collected its line: the real ``die`` would end pytest)."""
         for d in self.dogs:
             d._stop.set()
         for d in self.dogs:
@@ -71,9 +70,9 @@ class Ranks:
                 t.join(timeout=10)
 
 
-def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
+def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path):
     world = 3
-    ranks = Ranks(world, tmp_path, monkeypatch)
+    ranks = Ranks(world, tmp_path)
     dogs, progress, died = ranks.dogs, ranks.progress, ranks.died
     try:
         for d in dogs:
@@ -114,8 +113,8 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypat
     assert [(r["rank"], r["host"], r["cause"]) for r in records] == [(1, "node1", "stuck_rank")]
 
 
-def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path, monkeypatch):
-    ranks = Ranks(2, tmp_path, monkeypatch, timeout=6.0, hang_timeout=0)  # no hang verdict may come first
+def test_out_of_memory_on_one_rank_ends_the_others_with_its_line(tmp_path):
+    ranks = Ranks(2, tmp_path, timeout=6.0, hang_timeout=0)  # no hang verdict may come first
     try:
         for d in ranks.dogs:
             d.start()

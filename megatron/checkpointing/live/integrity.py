@@ -27,6 +27,7 @@ import xxhash
 
 from megatron.checkpointing.live.atomic import atomic_write_bytes
 from megatron.errors import CheckpointError
+from megatron.progress import PROGRESS
 
 MANIFEST = "integrity.json"
 FORMAT = "megatron-frontier/integrity-v1"
@@ -99,6 +100,8 @@ def write_torch(obj, path: str, zipfile: bool = True) -> None:
     writer = None
     try:
         with open(path, "wb") as f:
+            if PROGRESS.faults is not None:  # a test's slow or failing write (MEGATRON_FAULT phase=write)
+                PROGRESS.faults.at("write", PROGRESS, path)
             writer = HashingWriter(f)
             torch.save(obj, writer, _use_new_zipfile_serialization=zipfile)
             f.flush()

@@ -7,13 +7,13 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 from tests.gpu.quick import summary
+from tests.launch import TIMED_OUT, run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCH = os.path.join(REPO, "bench")
@@ -53,18 +53,14 @@ def step_args(argv: list[str] | None = None) -> StepArgs:
 
 def run_logged(cmd: list[str], log: str, timeout: float, env: dict | None = None) -> tuple[int, str]:
     """(exit status, output) of ``cmd`` run from the repository root, stdout and stderr into ``log``; 124 when it
-    ran past ``timeout`` and was killed. It stays in the step's process group, so the step's own ``timeout``
-    reaches it, and the orchestrator's sweep of that group after the step takes whatever it left running."""
+    ran past ``timeout`` and was killed (tests/launch/). It stays in the step's process group, so the step's own
+    ``timeout`` reaches it, and the orchestrator's sweep of that group after the step takes whatever it left
+    running."""
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = 124
+    rc = run_command(cmd, timeout, env=env, cwd=REPO, log=log, own_group=False).returncode
+    if rc == TIMED_OUT:
+        with open(log, "a") as f:
             f.write(f"\nquick: killed after {timeout:.0f} s\n")
     with open(log, errors="replace") as f:
         return rc, f.read()

@@ -4,7 +4,7 @@ resume to N; the resumed losses against the straight run's, read exactly from Te
 GPU: GPT-2 small (~124M), seq 1024, bf16, ZeRO-1, 30 iterations, kernels chosen by measurement (``auto``) once
 and reused by the other two runs (MEGATRON_KERNEL_CACHE_DIR), cuBLAS' reduction order pinned
 (CUBLAS_WORKSPACE_CONFIG); torch's deterministic-algorithms mode is not forced, so a resume that is not bit-exact
-is reported with its largest difference and passes only within bf16 tolerance. CPU twin: the tests' TINY model,
+is reported with its largest difference and passes only within bf16 tolerance. CPU twin: the tests' TINY_GPT model,
 8 iterations, the same three runs and checks (its tokens/s and MFU mean nothing).
 """
 
@@ -16,16 +16,16 @@ import os
 import shutil
 import sys
 
-from tests.functional.cli import TINY
+from tests.models import TINY_GPT
 from tests.gpu.quick.common import BENCH, REPO, StepArgs, TrainLog, env_with, run_logged, step_args, train_log
 from tests.gpu.quick.summary import first_error_line
-from tests.launcher import free_port
+from tests.launch import free_port
 
 GPU_MODEL = ["--model-size", "gpt2-small", "--seq-length", "1024", "--max-position-embeddings", "1024",
              "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "6e-4", "--lr-warmup-iters", "5"]
 GPU_ITERS = 30
-# TINY with 128 tokens at lr 1e-2 falls 4.89 -> 4.24 in 8 iterations (CPU, bf16): "it learned" checks there too.
-CPU_MODEL = TINY + ["--vocab-size", "128", "--lr", "1e-2", "--lr-warmup-iters", "1"]
+# TINY_GPT with 128 tokens at lr 1e-2 falls 4.89 -> 4.24 in 8 iterations (CPU, bf16): "it learned" checks there too.
+CPU_MODEL = TINY_GPT + ["--vocab-size", "128", "--lr", "1e-2", "--lr-warmup-iters", "1"]
 CPU_ITERS = 8
 COMMON = ["--bf16", "--zero-stage", "1", "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
           "--hidden-dropout", "0", "--attention-dropout", "0"]

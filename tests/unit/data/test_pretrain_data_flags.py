@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.launcher import run_distributed
+from tests.launch import run_distributed
+from tests.models import GPT_L1
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                         "upstream_ckpt", "data")  # documents of the demo corpus, GPT-2 BPE with <|endoftext|>
@@ -44,14 +45,14 @@ def _pretrain_recording(argv: list[str]) -> dict:
 def test_pretrain_passes_loader_flags_and_reads_validation_on(tmp_path):
     for f in ("tiny_text_document.bin", "tiny_text_document.idx"):
         shutil.copy(os.path.join(FIXTURES, f), tmp_path / f)
-    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
-            "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--use-cpu-initialization",
-            "--seed", "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "tiny_text_document"),
-            "--split", "90,7,3", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-            os.path.join(FIXTURES, "vocab.json"), "--merge-file", os.path.join(FIXTURES, "merges.txt"),
-            "--data-cache-path", str(tmp_path / "cache"), "--dataloader-type", "cyclic",
-            "--num-workers", "1", "--per-epoch-doc-shuffle", "--no-data-sharding", "--eod-mask-loss"]
+    argv = GPT_L1.flags() + [
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters",
+        "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--use-cpu-initialization", "--seed",
+        "7", "--distributed-backend", "gloo", "--data-path", str(tmp_path / "tiny_text_document"), "--split",
+        "90,7,3", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(FIXTURES, "vocab.json"),
+        "--merge-file", os.path.join(FIXTURES, "merges.txt"), "--data-cache-path", str(tmp_path / "cache"),
+        "--dataloader-type", "cyclic", "--num-workers", "1", "--per-epoch-doc-shuffle", "--no-data-sharding",
+        "--eod-mask-loss"]
     out = run_distributed(_pretrain_recording, 1, timeout=240, argv=argv)[0]
     assert out["iterations"] == 4
     # Upstream's counts: 4 x 4 train samples, (4 // 2 + 1) evaluations x 1 x 4 valid, 1 x 4 test.

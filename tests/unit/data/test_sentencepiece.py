@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import ConfigError, DataError
 from megatron.tokenizer import build_tokenizer
+from tests.launch import run_pretrain
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -108,24 +107,16 @@ def test_pretrain_two_iterations_on_gpt_sentencepiece_data(corpus, sp_model, loa
     prefix = tmp_path / "sp"
     load_tool("preprocess_data").main(["--input", corpus[0], "--output-prefix", str(prefix), "--tokenizer-type",
                                        "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod"])
-    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--num-layers", "1", "--hidden-size", "32",
-           "--num-attention-heads", "2", "--seq-length", "32", "--max-position-embeddings", "32",
-           "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
-           "--log-interval", "1", "--eval-iters", "0", "--data-path", f"{prefix}_text_document", "--split", "98,2,0",
-           "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPTSentencePieceTokenizer",
-           "--tokenizer-model", sp_model]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    args = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--max-position-embeddings", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-iters", "0", "--data-path", f"{prefix}_text_document", "--split", "98,2,0",
+            "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPTSentencePieceTokenizer",
+            "--tokenizer-model", sp_model]
+    proc = run_pretrain(1, args, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in proc.stdout.splitlines() if "lm loss:" in line]
     assert len(losses) == 2 and all(np.isfinite(losses)), proc.stdout[-2000:]
-
-
-def _free_port() -> int:
-    from tests.launcher import free_port
-
-    return free_port()
 
 
 def _pretrain_data(**kw):

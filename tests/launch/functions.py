@@ -1,51 +1,21 @@
-"""Run a function on N local processes (gloo), collect what each returns, never hang.
+"""Function ranks: ``fn`` on N local processes (gloo) forked from a forkserver, each with torchrun's environment (so
+the project's own rank discovery runs); what each returns, or how each ended; never a hang.
 
-Each rank gets the torchrun-style environment, so the project's own rank discovery is exercised.
-Results travel through files (torch.save), so a rank that aborts at exit after writing its result
-is still judged by what it computed (see FRONTIER.md on rare gloo teardown aborts).
+Results travel through files (torch.save), so a rank that aborts at exit after writing its result is still judged
+by what it computed (see FRONTIER.md on rare gloo teardown aborts).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import random
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 
-import torch
-
-
-def _ephemeral_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be taken by
-    any outgoing connection (heartbeats, gloo) before a test that reserved it listens on it, which happened."""
-    hi = _ephemeral_start()
-    lo = max(1024, hi - 12000)
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below is taken: fall back to the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.launch.env import free_port, rank_env
 
 # The ranks are forked from a forkserver that imported these once (per pytest process), instead of each spawned rank
 # importing torch, DeepSpeed and the trainer again (~2 s of CPU per rank, hundreds of ranks per suite run). The
@@ -60,12 +30,12 @@ def _context():
     return ctx
 
 
-def _entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: dict, env: dict | None = None) -> None:
-    if env is not None:  # the launching process's environment now, as a spawned rank would inherit it (the
-        os.environ.clear()  # forkserver's is that of its start)
-        os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: dict, env: dict) -> None:
+    import torch
+
+    os.environ.clear()  # the launching process's environment now, as a spawned rank would inherit it (the
+    os.environ.update(env)  # forkserver's is that of its start)
+    os.environ.update(rank_env(rank, world, port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -82,28 +52,36 @@ def _entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: dict, env
             pass
 
 
-def run_distributed(fn, world_size: int, timeout: float = 300.0, **kwargs) -> list:
-    """Run ``fn(**kwargs)`` on ``world_size`` fresh ranks (forked from the forkserver); return the per-rank
-    results."""
+def _load(path: str) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=False) if os.path.exists(path) else {}
+
+
+def run_distributed(fn, world_size: int, timeout: float = 300.0, env: dict[str, str] | None = None, **kwargs) -> list:
+    """Run ``fn(**kwargs)`` on ``world_size`` fresh ranks; return the per-rank results (a rank's failure raises).
+    ``env``: variables added to the ranks' environment (e.g. MEGATRON_FAULT)."""
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, kwargs, dict(os.environ)))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, kwargs,
+                                                  {**os.environ, **(env or {})}))
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join(5)
         results = []
         for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            if not os.path.exists(path):
+            rec = _load(os.path.join(out_dir, f"rank{r}.pt"))
+            if not rec:
                 raise RuntimeError(f"rank {r} wrote no result (exit code {procs[r].exitcode}, hung ranks {hung})")
-            rec = torch.load(path, weights_only=False)
             if not rec["ok"]:
                 raise RuntimeError(f"rank {r} failed:\n{rec['error']}")
             results.append(rec["result"])
@@ -134,14 +112,16 @@ def _logged_entry(fn, rank: int, world: int, port: int, out_dir: str, kwargs: di
     _entry(fn, rank, world, port, out_dir, dict(kwargs, out_dir=out_dir), env)
 
 
-def run_to_exit(fn, world_size: int, timeout: float = 300.0, **kwargs) -> list[Outcome]:
-    """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` fresh ranks (forked from the forkserver) that may end by
-    exiting (the watchdog's os._exit): each rank's exit code, output and result, never raising for a rank's
-    failure."""
+def run_to_exit(fn, world_size: int, timeout: float = 300.0, env: dict[str, str] | None = None,
+                **kwargs) -> list[Outcome]:
+    """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` fresh ranks that may end by exiting (the watchdog's
+    os._exit): each rank's exit code, output and result, never raising for a rank's failure. ``env``: as for
+    ``run_distributed``."""
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_logged_entry, args=(fn, r, world_size, port, out_dir, kwargs, dict(os.environ)))
+        procs = [ctx.Process(target=_logged_entry, args=(fn, r, world_size, port, out_dir, kwargs,
+                                                         {**os.environ, **(env or {})}))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -160,8 +140,7 @@ def run_to_exit(fn, world_size: int, timeout: float = 300.0, **kwargs) -> list[O
         for r, p in enumerate(procs):
             with open(os.path.join(out_dir, f"rank{r}.log")) as f:
                 text = f.read()
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            rec = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+            rec = _load(os.path.join(out_dir, f"rank{r}.pt"))
             out.append(Outcome(p.exitcode if r in ended else None, text, rec.get("result"), rec.get("error"),
                                ended.get(r, time.time())))
         return out
