@@ -58,17 +58,22 @@ def _load(path: str) -> dict:
     return torch.load(path, weights_only=False) if os.path.exists(path) else {}
 
 
+def _start(entry, fn, world_size: int, out_dir: str, kwargs: dict, env: dict[str, str] | None) -> list:
+    """``world_size`` ranks running ``entry(fn, rank, ...)`` from the forkserver, on one fresh rendezvous port, with the
+    launching process's environment plus ``env``."""
+    ctx, port, environ = _context(), free_port(), {**os.environ, **(env or {})}
+    procs = [ctx.Process(target=entry, args=(fn, r, world_size, port, out_dir, kwargs, environ))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def run_distributed(fn, world_size: int, timeout: float = 300.0, env: dict[str, str] | None = None, **kwargs) -> list:
     """Run ``fn(**kwargs)`` on ``world_size`` fresh ranks; return the per-rank results (a rank's failure raises).
     ``env``: variables added to the ranks' environment (e.g. MEGATRON_FAULT)."""
-    ctx = _context()
-    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, kwargs,
-                                                  {**os.environ, **(env or {})}))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = _start(_entry, fn, world_size, out_dir, kwargs, env)
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -117,14 +122,8 @@ def run_to_exit(fn, world_size: int, timeout: float = 300.0, env: dict[str, str]
     """Run ``fn(out_dir=..., **kwargs)`` on ``world_size`` fresh ranks that may end by exiting (the watchdog's
     os._exit): each rank's exit code, output and result, never raising for a rank's failure. ``env``: as for
     ``run_distributed``."""
-    ctx = _context()
-    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_logged_entry, args=(fn, r, world_size, port, out_dir, kwargs,
-                                                         {**os.environ, **(env or {})}))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = _start(_logged_entry, fn, world_size, out_dir, kwargs, env)
         ended: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         while len(ended) < world_size and time.monotonic() < deadline:
