@@ -166,6 +166,9 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
     if args.rotary_percent != 1.0 and model.position_embedding_type != "rope":
         notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
                      "(--position-embedding-type rope), as upstream")
+    if args.split != DataConfig.split and any(getattr(args, f"{s}_data_path") for s in ("train", "valid", "test")):
+        notes.append(f"> --split {args.split} selects no documents with the per-split data paths (each split reads "
+                     "its corpora whole); it only names the index cache, as upstream")
     if parallel.ep > 1 and not model.moe.enabled:
         notes.append(f"> --moe-expert-parallel-size {parallel.ep} has no effect: no layer has experts "
                      "(--num-experts), as upstream")
@@ -173,18 +176,21 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    """The data settings. With --data-path and no --tokenizer-type, upstream's default tokenizer (GPT-2 BPE), whose
-    files must then be given (recorded as the tokenizer type, so checkpoints name it too)."""
+    """The data settings. With data files (--data-path or the per-split paths) and no --tokenizer-type, upstream's
+    default tokenizer (GPT-2 BPE), whose files must then be given (recorded as the tokenizer type, so checkpoints
+    name it too)."""
     tokenizer_type = args.tokenizer_type
-    if tokenizer_type is None and args.data_path:
+    paths = {f: getattr(args, f) for f in ("data_path", "train_data_path", "valid_data_path", "test_data_path")}
+    given = next((f"--{f.replace('_', '-')}" for f, v in paths.items() if v), None)
+    if tokenizer_type is None and given:
         missing = [flag for flag, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if not v]
         if missing:
-            raise ConfigError(f"--data-path without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
+            raise ConfigError(f"{given} without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
                               f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
                               "or pass --tokenizer-type with its files")
         tokenizer_type = DEFAULT_TOKENIZER_TYPE
-    data_path = tuple(args.data_path) if args.data_path is not None else None
-    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type, data_path=data_path).validate()
+    tuples = {f: tuple(v) if v is not None else None for f, v in paths.items()}
+    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type, **tuples).validate()
 
 
 _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",

@@ -248,6 +248,12 @@ def _data(p: argparse.ArgumentParser) -> None:
                    help="the embedded default corpus (Python standard-library docstrings, byte tokens)")
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the null/mock tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="the train split's own corpora (instead of --data-path and --split), in --data-path's form")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="the valid split's own corpora (without it: no validation)")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="the test split's own corpora (without it: no test evaluation)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--data-cache-path", default=None, help="where sample/shuffle index files are cached")
     g.add_argument("--tokenizer-type", default=None,

@@ -185,9 +185,6 @@ REFUSALS: dict[str, Refused] = {
     "--scattered-embeddings": Refused("not built: drop the flag"),
     "--split-transformers": Refused("not built: drop the flag"),
     # data
-    "--train-data-path": Refused("use --data-path with --split"),
-    "--valid-data-path": Refused("use --data-path with --split"),
-    "--test-data-path": Refused("use --data-path with --split"),
     "--aml-data-download-path": Refused("prefix --data-path yourself"),
     "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
     "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
