@@ -8,7 +8,8 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron.arguments.deepspeed_json import with_deepspeed_json
-from megatron.arguments.parser import parse_args
+from megatron.arguments.checkpoint_args import take_checkpoint_args
+from megatron.arguments.parser import given_dests, parse_args
 from megatron.config import (
     CheckpointSettings,
     DataConfig,
@@ -144,8 +145,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
                           rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None),
         data=data,
         checkpoint=CheckpointSettings(
-            save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
-            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            save=args.save, load=args.load, load_tag=args.load_tag, save_interval=args.save_interval,
+            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
             exit_on_missing=args.exit_on_missing_checkpoint, keep_last=args.keep_last_n_checkpoints,
             trust_checkpoint=args.trust_checkpoint, verify=args.verify_checkpoint,
             universal_checkpoint=args.universal_checkpoint, async_save=args.async_save),
@@ -220,5 +221,7 @@ def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[Da
     """The one way in: flags -> the validated RunConfig, and the tokenizer, built once from the data settings (its
     vocabulary sizes the model). Every error is a one-line ConfigError, before any process group."""
     args = parse_args(argv)
+    if args.use_checkpoint_args:
+        take_checkpoint_args(args, given_dests(argv))
     tokenizer = tokenizer_provider(data_config_from_args(args))
     return run_config_from_args(args, world_size, tokenizer.vocab_size), tokenizer

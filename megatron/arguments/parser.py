@@ -289,6 +289,11 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing, exits and faults (megatron/checkpointing)")
     g.add_argument("--save", default=None, help="directory for checkpoints (DeepSpeed layout + 'latest')")
     g.add_argument("--load", default=None, help="resume from DIR/latest, or load a full-state directory")
+    g.add_argument("--load-tag", default=None,
+                   help="resume the checkpoint DIR/TAG of --load (e.g. global_step1000) instead of the one 'latest' "
+                        "names")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the --load checkpoint (a shape flag given must agree with it)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true", help="ZeRO-0/1/2: save weights without optimizer state")
     g.add_argument("--no-load-optim", action="store_true")
@@ -390,9 +395,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def given_dests(argv: list[str]) -> set[str]:
+    """The dests of the flags ``argv`` gives, at whatever value (a flag given at its default counts; upstream's
+    second names count as the first's: --encoder-num-layers is --num-layers)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(argv)))
+    for name, alias in _ALIASES:
+        if alias in given:
+            given.add(name)
+    return given
+
+
+_ALIASES = (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length"))
+
+
 def _resolve_aliases(args: argparse.Namespace) -> None:
     """Upstream's second names for the layer count and sequence length (its validate_args does the same)."""
-    for name, alias in (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length")):
+    for name, alias in _ALIASES:
         value, other = getattr(args, name, None), getattr(args, alias, None)
         if value is not None and other is not None:
             raise ConfigError(f"--{name.replace('_', '-')} and --{alias.replace('_', '-')} are both given: they are "

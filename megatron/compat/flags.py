@@ -200,9 +200,6 @@ REFUSALS: dict[str, Refused] = {
     "--wandb-project": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR (wandb can "
                                "import it: `wandb sync DIR`)"),
     "--wandb-exp-name": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR"),
-    # checkpoints
-    "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
-    "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {
