@@ -7,7 +7,8 @@ import argparse
 from dataclasses import dataclass
 
 from megatron.arguments.configs import build_run_config
-from megatron.arguments.parser import layout_flags, parse_args
+from megatron.arguments.checkpoint_args import take_checkpoint_args
+from megatron.arguments.parser import given_dests, layout_flags, parse_args
 from megatron.config import DataConfig, OptimizerConfig, RunConfig, TrainingConfig, named_model
 from megatron.errors import ConfigError
 
@@ -31,6 +32,8 @@ def configure_dry_run(argv: list[str], ranks_per_node: int) -> DryRun:
     path: flag classes and ranges, the DeepSpeed JSON merged in, RunConfig's validation. The data files given are
     opened and checked as training's preflight opens them."""
     args = parse_args(argv)
+    if args.use_checkpoint_args:  # the model of --load's checkpoint, as training takes it
+        take_checkpoint_args(args, given_dests(argv))
     world = _world_size(args, ranks_per_node)
     vocab = args.vocab_size or (named_model(args.model_size).vocab_size if args.model_size else GPT2_VOCAB)
     stand_ins = argparse.Namespace(**vars(args))

@@ -13,6 +13,7 @@ import pytest
 
 import pretrain_gpt
 from megatron.arguments import configure
+from megatron.arguments.dry_run import configure_dry_run
 from megatron.checkpointing import classify_load
 from megatron.config import CheckpointSettings
 from megatron.errors import CheckpointError, ConfigError
@@ -64,6 +65,10 @@ def test_model_and_layout_taken_from_the_tag_not_latest(ours, capsys):
     assert "--disable-bias-linear" in line[0] and "--tensor-model-parallel-size 2" in line[0]
     # Without the tag: 'latest' (global_step6), the other model.
     assert _configure(["--load", str(ours), "--use-checkpoint-args"], world=1).model.num_layers == 2
+    # The dry run takes it as training does.
+    dry = configure_dry_run(["--world-size", "2", "--load", str(ours), "--load-tag", "global_step3",
+                             "--use-checkpoint-args"], 8)
+    assert (dry.run.model.num_layers, dry.run.model.hidden_size, dry.run.parallel.tp) == (3, 48, 2)
 
 
 def test_given_flags_must_agree_all_named_in_one_line(ours):
