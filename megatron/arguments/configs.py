@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 from collections.abc import Callable
 
 from megatron.arguments.deepspeed_json import with_deepspeed_json
@@ -146,7 +148,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
         data=data,
         checkpoint=CheckpointSettings(
             save=args.save, load=args.load, load_tag=args.load_tag, save_interval=args.save_interval,
-            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+            finetune=args.finetune,
             exit_on_missing=args.exit_on_missing_checkpoint, keep_last=args.keep_last_n_checkpoints,
             trust_checkpoint=args.trust_checkpoint, verify=args.verify_checkpoint,
             universal_checkpoint=args.universal_checkpoint, async_save=args.async_save),
@@ -199,11 +202,23 @@ _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_v
 
 
 def log_options_from_args(args: argparse.Namespace) -> LogOptions:
-    """The logging flags; the TensorBoard-only ones given without --tensorboard-dir are a no-op, said once."""
+    """The logging flags; the writers' own ones given without a writer (--tensorboard-dir or W&B) are a no-op, said
+    once. W&B needs the wandb package: without it, one line naming the extra, before any process group."""
+    project, name = args.wandb_project or None, args.wandb_exp_name or None  # upstream's '' is not given
+    wandb = bool(project or name)
     given = [f"--{n.replace('_', '-')}" for n in _TB_ONLY if getattr(args, n)]
-    notes = ()
-    if given and not args.tensorboard_dir:
-        notes = (f"{', '.join(given)} without --tensorboard-dir: nothing is written, as upstream",)
+    notes = []
+    if given and not args.tensorboard_dir and not wandb:
+        notes.append(f"{', '.join(given)} without --tensorboard-dir or --wandb-project: nothing is written, as "
+                     "upstream")
+    if args.wandb_save_dir and not wandb:
+        notes.append("--wandb-save-dir without --wandb-project or --wandb-exp-name: no W&B run is started, as "
+                     "upstream")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"{'--wandb-project' if project else '--wandb-exp-name'} needs the wandb package, not "
+                          "installed here: pip install 'megatron-frontier[wandb]' (or pip install -e '.[wandb]' in "
+                          "the checkout), or drop the --wandb-* flags")
+    wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     return LogOptions(
         tensorboard_dir=args.tensorboard_dir, tensorboard_log_interval=args.tensorboard_log_interval,
         tensorboard_queue_size=args.tensorboard_queue_size, timers_to_tb=args.log_timers_to_tensorboard,
@@ -213,7 +228,8 @@ def log_options_from_args(args: argparse.Namespace) -> LogOptions:
         optimizer_states_to_tb=args.log_optimizer_states_to_tensorboard, memory_to_tb=args.log_memory_to_tensorboard,
         world_size_to_tb=args.log_world_size_to_tensorboard, params_norm=args.log_params_norm,
         timing_level=args.timing_log_level, timing_option=args.timing_log_option,
-        barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, notes=notes).validate()
+        barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, wandb_project=project, wandb_exp_name=name,
+        wandb_dir=wandb_dir if wandb else None, notes=tuple(notes)).validate()
 
 
 def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[DataConfig], Vocabulary]

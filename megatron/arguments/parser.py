@@ -223,6 +223,11 @@ def _logging(p: argparse.ArgumentParser) -> None:
                    help="timers printed as the max, (min, max) or every rank's time")
     g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", action="store_false",
                    help="level-1 timers start without a barrier over all ranks")
+    g.add_argument("--wandb-project", default="",
+                   help="Weights & Biases project (needs pip install '.[wandb]'); offline when the service cannot be "
+                        "reached or no key is set, with the `wandb sync` command printed at the end")
+    g.add_argument("--wandb-exp-name", default="", help="the W&B run's name (either flag starts W&B, as upstream)")
+    g.add_argument("--wandb-save-dir", default="", help="where W&B writes (default: --save/wandb, as upstream)")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate the --load'ed checkpoint on the valid and test splits, then exit")
 

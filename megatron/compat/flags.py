@@ -113,7 +113,6 @@ NOOPS: dict[str, NoOp] = {
     "--ds_fused_adam": NoOp("the same AdamW update: torch's fused AdamW is used on every accelerator"),
     "--log-num-zeros-in-grad": NoOp("under --deepspeed upstream's train_step returns no count either (it comes only "
                                     "from Megatron's own optimizer)"),
-    "--wandb-save-dir": NoOp("without --wandb-project upstream starts no wandb writer either"),
     "--deepscale": NoOp("DeepSpeed is always used here (an old spelling of --deepspeed)"),
     # GPT needs none of these
     "--decoder-seq-length": NoOp(_NOT_GPT),
@@ -197,9 +196,6 @@ REFUSALS: dict[str, Refused] = {
     "--train-shuffle-idx-path": Refused("index caches are found through --data-cache-path"),
     "--repeated-dataloader": Refused("the loader already runs across epochs: drop the flag"),
     "--trust-remote-code": Refused("tokenizers never run code from their directory here: drop the flag"),
-    "--wandb-project": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR (wandb can "
-                               "import it: `wandb sync DIR`)"),
-    "--wandb-exp-name": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {

@@ -52,7 +52,8 @@ def _configure(argv, world: int = 2):
 def test_model_and_layout_taken_from_the_tag_not_latest(ours, capsys):
     run = _configure(["--load", str(ours), "--load-tag", "global_step3", "--use-checkpoint-args"])
     m = run.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.seq_length) == (3, 48, 4, 2, 16)
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.seq_length)
+    assert shape == (3, 48, 4, 2, 16)
     assert (m.normalization, m.swiglu, m.position_embedding_type, m.untie_embeddings_and_output_weights,
             m.add_bias_linear, m.layernorm_epsilon, m.rotary_base) == ("rmsnorm", True, "rope", True, False, 1e-6,
                                                                        500.0)
