@@ -1,0 +1,112 @@
+"""Acceptance (issue 44, Weights & Biases): a 30-iteration run with --wandb-project p --wandb-exp-name e, without
+network and without a W&B key, starts without waiting and writes an offline run whose history, read back with
+wandb's own reader (`wandb leet inspect --json`), holds the lm loss of every logged iteration equal to the
+TensorBoard scalar. The run is a campaign of two jobs (the first exits at iteration 15, the second resumes): both log
+to one run id, kept in the run folder, and the printed `wandb sync` command names both jobs' folders."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import clean_env, run_distributed
+from tests.models import CKPT_GPT
+
+WANDB = os.path.join(os.path.dirname(sys.executable), "wandb")
+STARTED = re.compile(r"^> W&B run (\w+) \(p, e\): offline \(no W&B API key.*?\), started in ([\d.]+) s", re.M)
+SYNC = re.compile(r"^> W&B run (\w+) written offline; upload it .* with: (wandb sync .*)$", re.M)
+
+
+def _env(tmp) -> dict[str, str]:
+    """No key (an empty netrc; none in the environment: the job drops it), W&B's folders in tmp, a service that is
+    not there."""
+    return {"WANDB_CONFIG_DIR": str(tmp / "cfg"), "WANDB_CACHE_DIR": str(tmp / "cache"),
+            "WANDB_DATA_DIR": str(tmp / "data"), "NETRC": str(tmp / "netrc"), "WANDB_BASE_URL": "http://127.0.0.1:9",
+            "WANDB__DISABLE_STATS": "true"}
+
+
+def _pretrain_job(argv: list[str]) -> str:
+    """One job of the campaign on a function rank (pretrain_gpt.py's providers), a key or mode of the caller's
+    environment dropped; returns what it printed."""
+    import contextlib
+    import io
+
+    from tests.checkpointing.common import _pretrain
+
+    for k in ("WANDB_API_KEY", "WANDB_MODE"):
+        os.environ.pop(k, None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _pretrain(argv)
+    return out.getvalue()
+
+
+def _job(args: list[str], tmp) -> str:
+    return run_distributed(_pretrain_job, 1, timeout=300, env=_env(tmp), argv=args)[0]
+
+
+def _history(folders: list[str], tmp) -> dict[int, dict]:
+    """step -> the logged row, over the jobs' folders, read by wandb's own reader."""
+    rows: dict[int, dict] = {}
+    for folder in folders:
+        out = subprocess.run([WANDB, "leet", "inspect", "--json", folder], capture_output=True, text=True,
+                             env=clean_env(_env(tmp)), check=True).stdout
+        for record in (json.loads(line) for line in out.splitlines() if '"history"' in line):
+            if record.get("type") == "history":
+                item = record["history"]["item"]
+                rows.setdefault(int(item["_step"]), {}).update(item)
+    return rows
+
+
+def _tensorboard(path: str, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    got = {}
+    for events in sorted(glob.glob(os.path.join(path, "events.*"))):
+        acc = event_accumulator.EventAccumulator(events, size_guidance={event_accumulator.SCALARS: 0})
+        acc.Reload()
+        got.update({e.step: e.value for e in acc.Scalars(tag)})
+    return got
+
+
+@pytest.mark.timeout(600)
+def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_path):
+    (tmp_path / "netrc").write_text("")
+    save, tb = tmp_path / "run", tmp_path / "tb"
+    args = CKPT_GPT + ["--train-iters", "30", "--save", str(save), "--tensorboard-dir", str(tb),
+                       "--wandb-project", "p", "--wandb-exp-name", "e"]
+    first = _job(args + ["--exit-interval", "15"], tmp_path)
+    second = _job(args + ["--load", str(save)], tmp_path)
+    starts = [STARTED.search(out) for out in (first, second)]
+    assert all(starts), (first[-2000:], second[-2000:])
+    run_id = starts[0].group(1)
+    assert starts[1].group(1) == run_id == json.loads((save / "wandb" / "wandb_run.json").read_text())["id"]
+    # No wait for the service: the hang this guards against is wandb.init's timeout (90 s by default). W&B's own
+    # start (its wandb-core process) takes about 1 s here; the bound leaves room for a loaded 2-core machine.
+    assert all(float(m.group(2)) < 15 for m in starts), [m.group(0) for m in starts]
+
+    folders = sorted(glob.glob(str(save / "wandb" / "wandb" / f"offline-run-*-{run_id}")))
+    assert len(folders) == 2
+    history = _history(folders, tmp_path)
+    assert sorted(history) == list(range(1, 31))
+    loss = _tensorboard(str(tb), "lm-loss-training/lm loss")
+    assert sorted(loss) == list(range(1, 31))
+    for it in range(1, 31):  # TensorBoard stores float32
+        assert np.float32(history[it]["lm-loss-training/lm loss"]) == np.float32(loss[it]), it
+        assert history[it]["loss/lm loss"] == history[it]["lm-loss-training/lm loss"]  # upstream's W&B-only series
+        assert history[it]["Samples"] == 4 * it  # the "vs samples" series' axis, on the iteration's step
+
+    sync = SYNC.search(second)
+    assert sync and sync.group(1) == run_id
+    command = sync.group(2).split()
+    assert command[:5] == ["wandb", "sync", "--id", run_id, "-p"] and command[6:] == folders
+    dry = subprocess.run([WANDB, *command[1:], "--dry-run"], capture_output=True, text=True,
+                         env=clean_env(_env(tmp_path)))
+    assert dry.returncode == 0, dry.stderr[-2000:]
