@@ -11,30 +11,21 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from tests.functional.wandb_reader import WANDB, offline_env, wandb_history
 from tests.launch import clean_env, run_distributed
 from tests.models import CKPT_GPT
 
-WANDB = os.path.join(os.path.dirname(sys.executable), "wandb")
 STARTED = re.compile(r"^> W&B run (\w+) \(p, e\): offline \(no W&B API key.*?\), started in ([\d.]+) s", re.M)
 SYNC = re.compile(r"^> W&B run (\w+) written offline; upload it .* with: (wandb sync .*)$", re.M)
 
 
-def _env(tmp) -> dict[str, str]:
-    """No key (an empty netrc; none in the environment: the job drops it), W&B's folders in tmp, a service that is
-    not there."""
-    return {"WANDB_CONFIG_DIR": str(tmp / "cfg"), "WANDB_CACHE_DIR": str(tmp / "cache"),
-            "WANDB_DATA_DIR": str(tmp / "data"), "NETRC": str(tmp / "netrc"), "WANDB_BASE_URL": "http://127.0.0.1:9",
-            "WANDB__DISABLE_STATS": "true"}
-
-
 def _pretrain_job(argv: list[str]) -> str:
     """One job of the campaign on a function rank (pretrain_gpt.py's providers), a key or mode of the caller's
-    environment dropped; returns what it printed."""
+    environment dropped (offline_env's job); returns what it printed."""
     import contextlib
     import io
 
@@ -48,21 +39,8 @@ def _pretrain_job(argv: list[str]) -> str:
     return out.getvalue()
 
 
-def _job(args: list[str], tmp) -> str:
-    return run_distributed(_pretrain_job, 1, timeout=300, env=_env(tmp), argv=args)[0]
-
-
-def _history(folders: list[str], tmp) -> dict[int, dict]:
-    """step -> the logged row, over the jobs' folders, read by wandb's own reader."""
-    rows: dict[int, dict] = {}
-    for folder in folders:
-        out = subprocess.run([WANDB, "leet", "inspect", "--json", folder], capture_output=True, text=True,
-                             env=clean_env(_env(tmp)), check=True).stdout
-        for record in (json.loads(line) for line in out.splitlines() if '"history"' in line):
-            if record.get("type") == "history":
-                item = record["history"]["item"]
-                rows.setdefault(int(item["_step"]), {}).update(item)
-    return rows
+def _job(args: list[str], env: dict[str, str]) -> str:
+    return run_distributed(_pretrain_job, 1, timeout=300, env=env, argv=args)[0]
 
 
 def _tensorboard(path: str, tag: str) -> dict[int, float]:
@@ -78,12 +56,12 @@ def _tensorboard(path: str, tag: str) -> dict[int, float]:
 
 @pytest.mark.timeout(600)
 def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_path):
-    (tmp_path / "netrc").write_text("")
+    env = offline_env(tmp_path)
     save, tb = tmp_path / "run", tmp_path / "tb"
     args = CKPT_GPT + ["--train-iters", "30", "--save", str(save), "--tensorboard-dir", str(tb),
                        "--wandb-project", "p", "--wandb-exp-name", "e"]
-    first = _job(args + ["--exit-interval", "15"], tmp_path)
-    second = _job(args + ["--load", str(save)], tmp_path)
+    first = _job(args + ["--exit-interval", "15"], env)
+    second = _job(args + ["--load", str(save)], env)
     starts = [STARTED.search(out) for out in (first, second)]
     assert all(starts), (first[-2000:], second[-2000:])
     run_id = starts[0].group(1)
@@ -94,7 +72,7 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
 
     folders = sorted(glob.glob(str(save / "wandb" / "wandb" / f"offline-run-*-{run_id}")))
     assert len(folders) == 2
-    history = _history(folders, tmp_path)
+    history = wandb_history(folders, env)
     assert sorted(history) == list(range(1, 31))
     loss = _tensorboard(str(tb), "lm-loss-training/lm loss")
     assert sorted(loss) == list(range(1, 31))
@@ -108,5 +86,5 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
     command = sync.group(2).split()
     assert command[:5] == ["wandb", "sync", "--id", run_id, "-p"] and command[6:] == folders
     dry = subprocess.run([WANDB, *command[1:], "--dry-run"], capture_output=True, text=True,
-                         env=clean_env(_env(tmp_path)))
+                         env=clean_env(env))
     assert dry.returncode == 0, dry.stderr[-2000:]
