@@ -221,3 +221,15 @@ def test_flags(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"--wandb-exp-name needs the wandb package, not installed here: pip install "
                                           r"'megatron-frontier\[wandb\]'"):
         _log_options(["--wandb-exp-name", "e", "--save", str(tmp_path)])
+
+
+def test_without_the_package_the_cli_names_the_extra(monkeypatch, capsys, tmp_path):
+    """The package hidden (an import of it fails, as where it is not installed): pretrain_gpt.py stops before any
+    process group with one line naming the extra."""
+    from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    rc, err, out = run_until_process_group(BASE + ["--wandb-project", "p", "--save", str(tmp_path)], monkeypatch,
+                                           capsys)
+    assert_one_line_error(rc, err, out, "--wandb-project needs the wandb package", "pip install",
+                          "'megatron-frontier[wandb]'", "-e '.[wandb]'")
