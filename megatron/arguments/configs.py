@@ -216,8 +216,8 @@ def log_options_from_args(args: argparse.Namespace) -> LogOptions:
                      "upstream")
     if wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"{'--wandb-project' if project else '--wandb-exp-name'} needs the wandb package, not "
-                          "installed here: pip install 'megatron-frontier[wandb]' (or pip install -e '.[wandb]' in "
-                          "the checkout), or drop the --wandb-* flags")
+                          "installed here: pip install 'megatron-frontier[wandb]' (in the checkout: pip install "
+                          "--no-build-isolation -e '.[wandb]'), or drop the --wandb-* flags")
     wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     return LogOptions(
         tensorboard_dir=args.tensorboard_dir, tensorboard_log_interval=args.tensorboard_log_interval,
