@@ -68,8 +68,8 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
     assert starts[1].group(1) == run_id == json.loads((save / "wandb" / "wandb_run.json").read_text())["id"]
     # No wait for the service: the hang this guards against is wandb.init's timeout (90 s by default, 60 s as we
     # start it online). W&B's own start (its wandb-core process) takes about 1 s here; the bound leaves room for a
-    # 2-core machine shared by several test runs (up to 24 s seen at a load average of 40). Without a key no
-    # connection is even tried: tests/unit/test_wandb_writer.py.
+    # 2-core machine shared by several test runs (import and start took up to 24 s at a load average of 40). No key: no
+    # connection is even tried (tests/unit/test_wandb_writer.py).
     assert all(float(m.group(2)) < 30 for m in starts), [m.group(0) for m in starts]
 
     folders = sorted(glob.glob(str(save / "wandb" / "wandb" / f"offline-run-*-{run_id}")))
