@@ -1,8 +1,9 @@
 """Acceptance (issue 44, Weights & Biases): a 30-iteration run with --wandb-project p --wandb-exp-name e, without
-network and without a W&B key, starts without waiting and writes an offline run whose history, read back with
-wandb's own reader (`wandb leet inspect --json`), holds the lm loss of every logged iteration equal to the
-TensorBoard scalar. The run is a campaign of two jobs (the first exits at iteration 15, the second resumes): both log
-to one run id, kept in the run folder, and the printed `wandb sync` command names both jobs' folders."""
+network and without a W&B key, starts without waiting and writes an offline run whose history, read back with wandb's
+own reader (`wandb leet inspect --json`), holds the lm loss of every logged iteration equal to the TensorBoard scalar
+(and every other TensorBoard series under its name and step). The run is a campaign of two jobs (the first exits at
+iteration 15, the second resumes): both log to one run id, kept in the run folder, and the printed `wandb sync`
+command names both jobs' folders."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from megatron.training.wandb_writer import custom_axis
 from tests.functional.wandb_reader import WANDB, offline_env, wandb_history
 from tests.launch import clean_env, run_distributed
 from tests.models import CKPT_GPT
@@ -43,14 +45,16 @@ def _job(args: list[str], env: dict[str, str]) -> str:
     return run_distributed(_pretrain_job, 1, timeout=300, env=env, argv=args)[0]
 
 
-def _tensorboard(path: str, tag: str) -> dict[int, float]:
+def _tensorboard(path: str) -> dict[str, dict[int, float]]:
+    """tag -> step -> value of every scalar in the TensorBoard folder (both jobs' event files)."""
     from tensorboard.backend.event_processing import event_accumulator
 
-    got = {}
+    got: dict[str, dict[int, float]] = {}
     for events in sorted(glob.glob(os.path.join(path, "events.*"))):
         acc = event_accumulator.EventAccumulator(events, size_guidance={event_accumulator.SCALARS: 0})
         acc.Reload()
-        got.update({e.step: e.value for e in acc.Scalars(tag)})
+        for tag in acc.Tags()["scalars"]:
+            got.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     return got
 
 
@@ -76,12 +80,22 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
     assert len(folders) == 2
     history = wandb_history(folders, env)
     assert sorted(history) == list(range(1, 31))
-    loss = _tensorboard(str(tb), "lm-loss-training/lm loss")
+    scalars = _tensorboard(str(tb))
+    loss = scalars["lm-loss-training/lm loss"]
     assert sorted(loss) == list(range(1, 31))
     for it in range(1, 31):  # TensorBoard stores float32
         assert np.float32(history[it]["lm-loss-training/lm loss"]) == np.float32(loss[it]), it
         assert history[it]["loss/lm loss"] == history[it]["lm-loss-training/lm loss"]  # upstream's W&B-only series
         assert history[it]["Samples"] == 4 * it  # the "vs samples" series' axis, on the iteration's step
+    # Every TensorBoard series under its name: at the iteration's step, or (" vs samples/tokens") where W&B's axis
+    # holds TensorBoard's step.
+    assert len(scalars) >= 15
+    assert {"learning-rate/learning-rate", "grad-norm/grad-norm", "MFU", "mem-GB"} <= set(scalars)
+    for tag, series in scalars.items():
+        axis = custom_axis(tag)
+        for step, value in series.items():
+            rows = [history[step]] if axis is None else [r for r in history.values() if r.get(axis) == step]
+            assert [np.float32(r[tag]) for r in rows if tag in r] == [np.float32(value)], (tag, step)
 
     sync = SYNC.search(second)
     assert sync and sync.group(1) == run_id
