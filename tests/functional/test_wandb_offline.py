@@ -63,7 +63,7 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
     env = offline_env(tmp_path)
     save, tb = tmp_path / "run", tmp_path / "tb"
     args = CKPT_GPT + ["--train-iters", "30", "--save", str(save), "--tensorboard-dir", str(tb),
-                       "--wandb-project", "p", "--wandb-exp-name", "e"]
+                       "--wandb-project", "p", "--wandb-exp-name", "e", "--eval-interval", "10", "--eval-iters", "1"]
     first = _job(args + ["--exit-interval", "15"], env)
     second = _job(args + ["--load", str(save)], env)
     starts = [STARTED.search(out) for out in (first, second)]
@@ -90,7 +90,8 @@ def test_offline_run_holds_tensorboards_loss_and_the_campaign_keeps_one_run(tmp_
     # Every TensorBoard series under its name: at the iteration's step, or (" vs samples/tokens") where W&B's axis
     # holds TensorBoard's step.
     assert len(scalars) >= 15
-    assert {"learning-rate/learning-rate", "grad-norm/grad-norm", "MFU", "mem-GB"} <= set(scalars)
+    assert {"learning-rate/learning-rate", "grad-norm/grad-norm", "MFU", "mem-GB",
+            "lm-loss-validation/lm loss validation", "lm-loss-validation/lm loss test"} <= set(scalars)
     for tag, series in scalars.items():
         axis = custom_axis(tag)
         for step, value in series.items():
