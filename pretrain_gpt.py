@@ -3,7 +3,8 @@
     python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 512
 
-Data: --data-path (Megatron .bin/.idx, blended by weight) with a --tokenizer-type (default GPT2BPETokenizer, as
+Data: --data-path (Megatron .bin/.idx, blended by weight; or --train-data-path / --valid-data-path /
+--test-data-path, one blend per split) with a --tokenizer-type (default GPT2BPETokenizer, as
 upstream), or --mock-data, or --demo-corpus (the embedded default corpus, byte tokens). --dry-run prints the layout
 and exits.
 """
@@ -50,17 +51,20 @@ def tokenizer_provider(data: DataConfig):
 
 
 def datasets_provider(run, tokenizer, num_samples):
-    """(train, valid, test) datasets for --split's three parts; every item is {"text": int64 array of
-    seq_length + 1 tokens}. ``num_samples``: (train, valid, test) samples wanted; a split given none is None."""
+    """(train, valid, test) datasets: --split's three parts of --data-path, or the per-split paths' own; every item
+    is {"text": int64 array of seq_length + 1 tokens}. ``num_samples``: (train, valid, test) samples wanted; a split
+    given none (or, with per-split paths, no path) is None."""
     seq, seed, data = run.model.seq_length, run.training.seed, run.data
-    if data.data_path:
+    if data.files:
         import deepspeed.comm as dist
 
-        from megatron.data.gpt_builder import build_train_valid_test_datasets
+        from megatron.data.gpt_builder import build_per_split_datasets, build_train_valid_test_datasets
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return build_train_valid_test_datasets(
-            data.data_path, data.split, seq, seed, tuple(num_samples), data.data_cache_path, tokenizer.vocab_size,
+        build, paths = ((build_per_split_datasets, data.split_paths()) if data.per_split else
+                        (build_train_valid_test_datasets, data.data_path))
+        return build(
+            paths, data.split, seq, seed, tuple(num_samples), data.data_cache_path, tokenizer.vocab_size,
             barrier=dist.barrier if dist.is_initialized() else None, build_on_this_rank=rank == 0,
             log=lambda m: print(m, flush=True) if rank == 0 else None, per_epoch_order=data.per_epoch_doc_shuffle)
     if data.demo_corpus:

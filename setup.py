@@ -60,7 +60,9 @@ setup(
         "pybind11",
         "xxhash>=3.0",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "matplotlib", "import-linter"]},
+    # wandb: --wandb-project / --wandb-exp-name (>= 0.31: `wandb leet inspect`, the reader the tests use).
+    extras_require={"wandb": ["wandb>=0.31"],
+                    "test": ["pytest", "pytest-xdist", "matplotlib", "import-linter", "wandb>=0.31"]},
     ext_modules=_EXT_MODULES,
     cmdclass={"build_ext": _BUILD_EXT},
 )

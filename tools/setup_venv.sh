@@ -20,7 +20,8 @@ if [ "$(cat "$_stamp" 2>/dev/null || true)" != "$_want" ] || ! "$_venv/bin/pytho
   if ! "$_venv/bin/python" -c "import torch" 2>/dev/null; then
     "$_venv/bin/python" -m pip install -q "torch==2.13.0"
   fi
-  # No build isolation: the HIP extension must see the environment's (ROCm) torch to decide to build.
+  # No build isolation: the HIP extension must see the environment's (ROCm) torch to decide to build. The test
+  # extras bring wandb too (setup.py), so the W&B tests run rather than skip.
   (cd "$_root" && "$_venv/bin/python" -m pip install -q --no-build-isolation -e ".[test]")
   # Test-only extras for the CPU machines: Triton for the interpreted kernel tests (triton==3.9.0 is the
   # version they were checked with; on Frontier ROCm torch brings its own Triton, so setup.py does not pin it),

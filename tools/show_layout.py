@@ -5,8 +5,9 @@ parallel group crosses, and the memory one GCD needs. No GPU, no process group.
         --pipeline-model-parallel-size 64 --zero-stage 1 --bf16 --use-flash-attn-v2 --recompute-granularity full
 
 The flags are training's, read by the same path (megatron/arguments/dry_run.py: the parser, the DeepSpeed JSON, the
-RunConfig's validation), so a training command line can be passed unchanged; the flags the layout does not depend on
-(--lr, --data-path, ...) are listed as ignored. ``pretrain_gpt.py --dry-run`` calls :func:`main` with its own argv.
+RunConfig's validation), so a training command line can be passed unchanged; the data files it names are opened and
+checked; the other flags the layout does not depend on (--lr, --save, ...) are listed as ignored.
+``pretrain_gpt.py --dry-run`` calls :func:`main` with its own argv.
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout.from_run(run, zero_hpz_partition_size=own.zero_hpz_partition_size)
     text, est, placements, reports = render(run.model, layout, own.ranks_per_node, run.runtime.allow_tp_across_nodes,
                                             own.summary_only, own.all_nodes)
+    if dry.data:
+        text += f"\n\n{dry.data}"
     if dry.ignored:
         text += f"\n\n(ignored training flags: {' '.join(dry.ignored)})"
     print(text, flush=True)

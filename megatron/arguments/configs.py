@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 from collections.abc import Callable
 
 from megatron.arguments.deepspeed_json import with_deepspeed_json
-from megatron.arguments.parser import parse_args
+from megatron.arguments.checkpoint_args import take_checkpoint_args
+from megatron.arguments.parser import given_dests, parse_args
 from megatron.config import (
     CheckpointSettings,
     DataConfig,
@@ -144,8 +147,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
                           rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None),
         data=data,
         checkpoint=CheckpointSettings(
-            save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
-            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+            save=args.save, load=args.load, load_tag=args.load_tag, save_interval=args.save_interval,
+            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+            finetune=args.finetune,
             exit_on_missing=args.exit_on_missing_checkpoint, keep_last=args.keep_last_n_checkpoints,
             trust_checkpoint=args.trust_checkpoint, verify=args.verify_checkpoint,
             universal_checkpoint=args.universal_checkpoint, async_save=args.async_save),
@@ -166,6 +170,9 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
     if args.rotary_percent != 1.0 and model.position_embedding_type != "rope":
         notes.append(f"> --rotary-percent {args.rotary_percent:g} has no effect without rotary embeddings "
                      "(--position-embedding-type rope), as upstream")
+    if args.split != DataConfig.split and any(getattr(args, f"{s}_data_path") for s in ("train", "valid", "test")):
+        notes.append(f"> --split {args.split} selects no documents with the per-split data paths (each split reads "
+                     "its corpora whole); it only names the index cache, as upstream")
     if parallel.ep > 1 and not model.moe.enabled:
         notes.append(f"> --moe-expert-parallel-size {parallel.ep} has no effect: no layer has experts "
                      "(--num-experts), as upstream")
@@ -173,18 +180,21 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    """The data settings. With --data-path and no --tokenizer-type, upstream's default tokenizer (GPT-2 BPE), whose
-    files must then be given (recorded as the tokenizer type, so checkpoints name it too)."""
+    """The data settings. With data files (--data-path or the per-split paths) and no --tokenizer-type, upstream's
+    default tokenizer (GPT-2 BPE), whose files must then be given (recorded as the tokenizer type, so checkpoints
+    name it too)."""
     tokenizer_type = args.tokenizer_type
-    if tokenizer_type is None and args.data_path:
+    paths = {f: getattr(args, f) for f in ("data_path", "train_data_path", "valid_data_path", "test_data_path")}
+    given = next((f"--{f.replace('_', '-')}" for f, v in paths.items() if v), None)
+    if tokenizer_type is None and given:
         missing = [flag for flag, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if not v]
         if missing:
-            raise ConfigError(f"--data-path without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
+            raise ConfigError(f"{given} without --tokenizer-type uses {DEFAULT_TOKENIZER_TYPE} (upstream's "
                               f"default), which needs {' and '.join(missing)} (GPT-2's vocab.json / merges.txt); "
                               "or pass --tokenizer-type with its files")
         tokenizer_type = DEFAULT_TOKENIZER_TYPE
-    data_path = tuple(args.data_path) if args.data_path is not None else None
-    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type, data_path=data_path).validate()
+    tuples = {f: tuple(v) if v is not None else None for f, v in paths.items()}
+    return _by_name(DataConfig, args, tokenizer_type=tokenizer_type, **tuples).validate()
 
 
 _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
@@ -192,11 +202,23 @@ _TB_ONLY = ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_v
 
 
 def log_options_from_args(args: argparse.Namespace) -> LogOptions:
-    """The logging flags; the TensorBoard-only ones given without --tensorboard-dir are a no-op, said once."""
+    """The logging flags; the writers' own ones given without a writer (--tensorboard-dir or W&B) are a no-op, said
+    once. W&B needs the wandb package: without it, one line naming the extra, before any process group."""
+    project, name = args.wandb_project or None, args.wandb_exp_name or None  # upstream's '' is not given
+    wandb = bool(project or name)
     given = [f"--{n.replace('_', '-')}" for n in _TB_ONLY if getattr(args, n)]
-    notes = ()
-    if given and not args.tensorboard_dir:
-        notes = (f"{', '.join(given)} without --tensorboard-dir: nothing is written, as upstream",)
+    notes = []
+    if given and not args.tensorboard_dir and not wandb:
+        notes.append(f"{', '.join(given)} without --tensorboard-dir or --wandb-project: nothing is written, as "
+                     "upstream")
+    if args.wandb_save_dir and not wandb:
+        notes.append("--wandb-save-dir without --wandb-project or --wandb-exp-name: no W&B run is started, as "
+                     "upstream")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"{'--wandb-project' if project else '--wandb-exp-name'} needs the wandb package, not "
+                          "installed here: pip install 'megatron-frontier[wandb]' (in the checkout: pip install "
+                          "--no-build-isolation -e '.[wandb]'), or drop the --wandb-* flags")
+    wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     return LogOptions(
         tensorboard_dir=args.tensorboard_dir, tensorboard_log_interval=args.tensorboard_log_interval,
         tensorboard_queue_size=args.tensorboard_queue_size, timers_to_tb=args.log_timers_to_tensorboard,
@@ -206,7 +228,8 @@ def log_options_from_args(args: argparse.Namespace) -> LogOptions:
         optimizer_states_to_tb=args.log_optimizer_states_to_tensorboard, memory_to_tb=args.log_memory_to_tensorboard,
         world_size_to_tb=args.log_world_size_to_tensorboard, params_norm=args.log_params_norm,
         timing_level=args.timing_log_level, timing_option=args.timing_log_option,
-        barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, notes=notes).validate()
+        barrier_l1=args.barrier_with_L1_time, skip_train=args.skip_train, wandb_project=project, wandb_exp_name=name,
+        wandb_dir=wandb_dir if wandb else None, notes=tuple(notes)).validate()
 
 
 def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[DataConfig], Vocabulary]
@@ -214,5 +237,7 @@ def configure(argv: list[str], world_size: int, tokenizer_provider: Callable[[Da
     """The one way in: flags -> the validated RunConfig, and the tokenizer, built once from the data settings (its
     vocabulary sizes the model). Every error is a one-line ConfigError, before any process group."""
     args = parse_args(argv)
+    if args.use_checkpoint_args:
+        take_checkpoint_args(args, given_dests(argv))
     tokenizer = tokenizer_provider(data_config_from_args(args))
     return run_config_from_args(args, world_size, tokenizer.vocab_size), tokenizer

@@ -223,6 +223,11 @@ def _logging(p: argparse.ArgumentParser) -> None:
                    help="timers printed as the max, (min, max) or every rank's time")
     g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", action="store_false",
                    help="level-1 timers start without a barrier over all ranks")
+    g.add_argument("--wandb-project", default="",
+                   help="Weights & Biases project (needs pip install '.[wandb]'); offline when the service cannot be "
+                        "reached or no key is set, with the `wandb sync` command printed at the end")
+    g.add_argument("--wandb-exp-name", default="", help="the W&B run's name (either flag starts W&B, as upstream)")
+    g.add_argument("--wandb-save-dir", default="", help="where W&B writes (default: --save/wandb, as upstream)")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate the --load'ed checkpoint on the valid and test splits, then exit")
 
@@ -248,6 +253,12 @@ def _data(p: argparse.ArgumentParser) -> None:
                    help="the embedded default corpus (Python standard-library docstrings, byte tokens)")
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the null/mock tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="the train split's own corpora (instead of --data-path and --split), in --data-path's form")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="the valid split's own corpora (without it: no validation)")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="the test split's own corpora (without it: no test evaluation)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--data-cache-path", default=None, help="where sample/shuffle index files are cached")
     g.add_argument("--tokenizer-type", default=None,
@@ -283,6 +294,11 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing, exits and faults (megatron/checkpointing)")
     g.add_argument("--save", default=None, help="directory for checkpoints (DeepSpeed layout + 'latest')")
     g.add_argument("--load", default=None, help="resume from DIR/latest, or load a full-state directory")
+    g.add_argument("--load-tag", default=None,
+                   help="resume the checkpoint DIR/TAG of --load (e.g. global_step1000) instead of the one 'latest' "
+                        "names")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the --load checkpoint (a shape flag given must agree with it)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true", help="ZeRO-0/1/2: save weights without optimizer state")
     g.add_argument("--no-load-optim", action="store_true")
@@ -384,9 +400,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def given_dests(argv: list[str]) -> set[str]:
+    """The dests of the flags ``argv`` gives, at whatever value (a flag given at its default counts; upstream's
+    second names count as the first's: --encoder-num-layers is --num-layers)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(argv)))
+    for name, alias in _ALIASES:
+        if alias in given:
+            given.add(name)
+    return given
+
+
+_ALIASES = (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length"))
+
+
 def _resolve_aliases(args: argparse.Namespace) -> None:
     """Upstream's second names for the layer count and sequence length (its validate_args does the same)."""
-    for name, alias in (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length")):
+    for name, alias in _ALIASES:
         value, other = getattr(args, name, None), getattr(args, alias, None)
         if value is not None and other is not None:
             raise ConfigError(f"--{name.replace('_', '-')} and --{alias.replace('_', '-')} are both given: they are "

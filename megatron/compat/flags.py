@@ -113,7 +113,6 @@ NOOPS: dict[str, NoOp] = {
     "--ds_fused_adam": NoOp("the same AdamW update: torch's fused AdamW is used on every accelerator"),
     "--log-num-zeros-in-grad": NoOp("under --deepspeed upstream's train_step returns no count either (it comes only "
                                     "from Megatron's own optimizer)"),
-    "--wandb-save-dir": NoOp("without --wandb-project upstream starts no wandb writer either"),
     "--deepscale": NoOp("DeepSpeed is always used here (an old spelling of --deepspeed)"),
     # GPT needs none of these
     "--decoder-seq-length": NoOp(_NOT_GPT),
@@ -185,9 +184,6 @@ REFUSALS: dict[str, Refused] = {
     "--scattered-embeddings": Refused("not built: drop the flag"),
     "--split-transformers": Refused("not built: drop the flag"),
     # data
-    "--train-data-path": Refused("use --data-path with --split"),
-    "--valid-data-path": Refused("use --data-path with --split"),
-    "--test-data-path": Refused("use --data-path with --split"),
     "--aml-data-download-path": Refused("prefix --data-path yourself"),
     "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
     "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
@@ -200,12 +196,6 @@ REFUSALS: dict[str, Refused] = {
     "--train-shuffle-idx-path": Refused("index caches are found through --data-cache-path"),
     "--repeated-dataloader": Refused("the loader already runs across epochs: drop the flag"),
     "--trust-remote-code": Refused("tokenizers never run code from their directory here: drop the flag"),
-    "--wandb-project": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR (wandb can "
-                               "import it: `wandb sync DIR`)"),
-    "--wandb-exp-name": Refused("Weights & Biases logging is not built here: log with --tensorboard-dir DIR"),
-    # checkpoints
-    "--use-checkpoint-args": Refused("pass the model flags explicitly (the --load metadata is checked against them)"),
-    "--load-tag": Refused("--load reads DIR/latest: point 'latest' at the tag, or reshard that tag"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {

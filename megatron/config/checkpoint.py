@@ -12,6 +12,9 @@ from megatron.flag_bounds import check_fields
 class CheckpointSettings:
     save: str | None = None
     load: str | None = None
+    load_tag: str | None = None
+    """--load-tag: the checkpoint directory under --load to resume (e.g. global_step1000), not the one 'latest'
+    names (as upstream under --deepspeed)."""
     save_interval: int | None = None
     no_save_optim: bool = False
     no_load_optim: bool = False
@@ -36,6 +39,9 @@ class CheckpointSettings:
                             "keep_last": "--keep-last-n-checkpoints=keep_last_n_checkpoints"})
         if self.verify not in ("full", "size", "off"):
             raise ConfigError(f"--verify-checkpoint {self.verify!r}: choose full, size or off")
+        if self.load_tag is not None and not self.load:
+            raise ConfigError(f"--load-tag {self.load_tag} without --load: add --load DIR (the tag is a directory "
+                              "in it)")
         if self.async_save and not self.save:
             raise ConfigError("--async-save without --save: nothing would be saved; add --save DIR or drop "
                               "--async-save")

@@ -5,8 +5,10 @@ Honoured (as upstream's training_log / evaluate_and_print_results): --tensorboar
 --no-log-learnig-rate-to-tensorboard, --no-log-loss-scale-to-tensorboard, --log-validation-ppl-to-tensorboard,
 --log-optimizer-states-to-tensorboard, --log-memory-to-tensorboard, --log-world-size-to-tensorboard,
 --log-params-norm, --timing-log-level, --timing-log-option, --no-barrier-with-level-1-timing.
-No-op, said once in the log: the *-to-tensorboard flags without --tensorboard-dir (no writer, as upstream).
---log-num-zeros-in-grad, --wandb-* are classed in megatron/compat/flags.py with every other upstream flag.
+Weights & Biases (--wandb-project, --wandb-exp-name, --wandb-save-dir): the same scalars, written by
+megatron/training/wandb_writer.py. No-op, said once in the log: the *-to-tensorboard flags without --tensorboard-dir
+or W&B, --wandb-save-dir without a project or name (no writer, as upstream). --log-num-zeros-in-grad is classed in
+megatron/compat/flags.py with every other upstream flag.
 """
 
 from __future__ import annotations
@@ -35,22 +37,41 @@ class LogOptions:
     timing_option: str = "minmax"
     barrier_l1: bool = True
     skip_train: bool = False
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_dir: str | None = None
+    """Where W&B writes: --wandb-save-dir, else --save/wandb (as upstream); also where the campaign's run id is
+    kept."""
     notes: tuple[str, ...] = ()
     """No-op flags given on this command line, one log line each."""
 
     @property
     def tensorboard(self) -> bool:
-        """Same on every rank: collectives that only feed TensorBoard run everywhere or nowhere."""
         return bool(self.tensorboard_dir)
 
+    @property
+    def wandb(self) -> bool:
+        """Either flag starts W&B, as upstream."""
+        return bool(self.wandb_project or self.wandb_exp_name)
+
+    @property
+    def writes_scalars(self) -> bool:
+        """TensorBoard or W&B (upstream's writer.is_enabled()). Same on every rank: collectives that only feed the
+        writers run everywhere or nowhere."""
+        return self.tensorboard or self.wandb
+
     def tb_step(self, it: int) -> bool:
-        return self.tensorboard and it % self.tensorboard_log_interval == 0
+        """The writers' scalars are due (--tensorboard-log-interval, which upstream applies to W&B too)."""
+        return self.writes_scalars and it % self.tensorboard_log_interval == 0
 
     def validate(self) -> LogOptions:
         """Before any process group exists (ConfigError: one line, exit 2)."""
         check_fields(self, {"tensorboard_log_interval": "--tensorboard-log-interval",
                             "tensorboard_queue_size": "--tensorboard-queue-size",
                             "timing_level": "--timing-log-level=timing_log_level"})
+        if self.wandb and not self.wandb_dir:
+            raise ConfigError("--wandb-project / --wandb-exp-name need --wandb-save-dir DIR or --save DIR (upstream "
+                              "writes W&B's files to --save/wandb)")
         return self
 
 

@@ -65,6 +65,9 @@ class RunConfig:
             self._fill("training", train_iters=train_iters)
         for part in (self.data, self.checkpoint, self.logging, self.profile, self.runtime):
             part.validate()
+        if self.data.per_split and self.data.train_data_path is None and not self.logging.skip_train:
+            raise ConfigError("--valid-data-path / --test-data-path without --train-data-path: give the train split's "
+                              "corpora too (or --skip-train to only evaluate a --load'ed checkpoint)")
 
     def _fill(self, part: str, **values) -> None:
         object.__setattr__(self, part, dataclasses.replace(getattr(self, part), **values))

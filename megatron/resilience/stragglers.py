@@ -96,9 +96,10 @@ class StragglerDetector:
         newly = [r for r in np.flatnonzero(self.streak >= self.needed) if int(r) not in self.named]
         for r in newly:
             self.named[int(r)] = it
+        order = np.argsort(-ratio, kind="stable")[:SHOWN]
+        self._tensorboard(it, ratio, median, order)  # the rank that owns a writer (TensorBoard: 0, W&B: the last)
         if self.rank != 0:
             return
-        order = np.argsort(-ratio, kind="stable")[:SHOWN]
         shown = ", ".join(f"{self._who(r)} {ratio[r]:.2f}x ({self._phases(table[r], iters[r])})" for r in order)
         print(f"> stragglers, iterations {first}-{it}: median own work {median * 1e3:.1f} ms per iteration; "
               f"slowest: {shown}", flush=True)
@@ -109,7 +110,6 @@ class StragglerDetector:
             print(f"> WARNING: {line}", flush=True)
             if self.failures is not None:
                 self.failures.write(int(r), self.idents[r][1], STRAGGLER, line)
-        self._tensorboard(it, ratio, median, order)
 
     def _who(self, r) -> str:
         return str(Identity(*self.idents[r]))

@@ -70,7 +70,7 @@ class Supervisor:
     def begin(self, start_iteration: int, save: SaveFn, writer=None) -> None:
         """Before the loop, which resumes after ``start_iteration``: rank 0's job-end deadline (under Slurm), the
         --async-save saver, run control (its signal handlers from now on) and the straggler detector (collective
-        when enabled). ``writer``: TensorBoard's, for the straggler series."""
+        when enabled). ``writer``: this rank's scalar writers (TensorBoard, W&B), for the straggler series."""
         run, rt, ckpt = self.run, self.run.runtime, self.run.checkpoint
         self._save_fn, self._start_iteration = save, start_iteration
         self.deadline = start_deadline(DeadlineSettings.from_run(run), run, self.world_size, self.rank)

@@ -1,5 +1,5 @@
-"""What the loop logs and keeps of each iteration: the log line and TensorBoard (their DP averages are collectives, in
-the same order on every rank), the interval's loss sums, and the summary pretrain() returns."""
+"""What the loop logs and keeps of each iteration: the log line, TensorBoard and W&B (their DP averages are
+collectives, in the same order on every rank), the interval's loss sums, and the summary pretrain() returns."""
 
 from __future__ import annotations
 
@@ -10,20 +10,22 @@ from megatron.training.log import TrainingLogger, print_rank0
 from megatron.training.model_stats import optimizer_stats, params_norm
 from megatron.training.peak import device_peak_tflops
 from megatron.training.step import StepResult
-from megatron.training.tensorboard import open_writer, write_optimizer_stats
+from megatron.training.tensorboard import write_optimizer_stats
 from megatron.training.timers import Timers
+from megatron.training.writers import open_writers
 
 
 class IterationLog:
-    """The run's log line, TensorBoard writer and timers, opened once, and the record of every iteration."""
+    """The run's log line, scalar writers (TensorBoard, W&B) and timers, opened once, and the record of every
+    iteration."""
 
     def __init__(self, run: RunConfig, pstate: ParallelState, engine, start_iteration: int) -> None:
         opts, rank = run.logging, pstate.global_rank
         self.run, self.pstate, self.engine, self.rank = run, pstate, engine, rank
         peak, peak_src = device_peak_tflops(run.precision.name, run.training.peak_tflops)
         print_rank0(f"> MFU peak: {peak:.3f} TFLOP/s per device ({peak_src})", rank)
-        # Upstream writes nothing to TensorBoard under --skip-train (not even the flags).
-        self.writer = None if opts.skip_train else open_writer(opts, rank, run.flags, start_iteration)
+        # Upstream writes nothing to TensorBoard or W&B under --skip-train (not even the flags).
+        self.writer = open_writers(opts, rank, pstate.world_size, run.flags, start_iteration)
         self.logger = TrainingLogger(run, rank, run.model.padded_vocab_size(run.parallel.tp), peak, self.writer, opts)
         self.timers = Timers(opts.timing_level, opts.timing_option, opts.barrier_l1)
         self.first_loss: float | None = None
@@ -47,12 +49,18 @@ class IterationLog:
         self._moe += res.moe_loss or 0.0  # MoE layers: their loss, logged beside the lm loss
         log_now = it % t.log_interval == 0 or it == t.train_iters
         tb_now = opts.tb_step(it)  # the same on every rank: the reductions below are collectives
+        wandb_now = log_now and opts.wandb  # upstream's W&B-only loss/<key> series, at --log-interval
+        if self.writer is not None:
+            self.writer.set_iteration(it)
         if opts.params_norm and (log_now or tb_now):
             logger.params_norm = params_norm(self.engine.module, pstate)
-        if tb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
-            moe_tb = None if res.moe_loss is None else res.moe_loss if dp.size == 1 else dp_mean(res.moe_loss, pstate)
-            logger.tensorboard(it, res.loss if dp.size == 1 else dp_mean(res.loss, pstate), res, consumed,
-                               batch_size, moe_loss=moe_tb)
+        own = None
+        if tb_now or wandb_now:  # upstream writes each iteration's own loss (DP mean), not the interval's
+            own = (res.loss if dp.size == 1 else dp_mean(res.loss, pstate),
+                   None if res.moe_loss is None else res.moe_loss if dp.size == 1 else dp_mean(res.moe_loss, pstate))
+        logger.own_losses = own if wandb_now else None
+        if tb_now:
+            logger.tensorboard(it, own[0], res, consumed, batch_size, moe_loss=own[1])
             if opts.optimizer_states_to_tb:
                 stats = optimizer_stats(self.engine.optimizer, pstate, self.engine.zero_optimization_stage())
                 if self.writer is not None:
@@ -78,7 +86,8 @@ class IterationLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            print_rank0(f"> TensorBoard event files in {self.run.logging.tensorboard_dir}", self.rank)
+            if self.writer.tensorboard is not None:
+                print(f"> TensorBoard event files in {self.run.logging.tensorboard_dir}", flush=True)
 
     def summary(self, it: int, consumed: int, exit_reason: str | None, final_eval: dict[str, float],
                 valid_losses: dict[int, float], stragglers: dict[int, int]) -> dict:

@@ -1,5 +1,5 @@
 """Training log in Megatron-DeepSpeed's line format (users' tools parse it), plus MFU, memory and ETA,
-and TensorBoard scalars. Only rank 0 writes."""
+and the TensorBoard / W&B scalars. Only rank 0 prints; each writer is on the rank that owns it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from megatron.config import RunConfig
 from megatron.config.log import LogOptions
 from megatron.perf.flops import iteration_flops
 from megatron.training import tensorboard as tb
+from megatron.training.wandb_writer import write_throughput
+from megatron.training.writers import ScalarWriters
 
 
 def print_rank0(msg: str, rank: int) -> None:
@@ -31,8 +33,8 @@ def memory_gb() -> float:
 
 
 class TrainingLogger:
-    def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float, writer=None,
-                 opts: LogOptions | None = None) -> None:
+    def __init__(self, run: RunConfig, rank: int, padded_vocab: int, peak_tflops: float,
+                 writer: ScalarWriters | None = None, opts: LogOptions | None = None) -> None:
         self.run, self.rank, self.writer = run, rank, writer
         self.opts = opts or run.logging
         self.params_norm: float | None = None
@@ -40,9 +42,13 @@ class TrainingLogger:
         self.moe_loss: float | None = None
         """A model with MoE layers: the interval's MoE loss, DP-averaged (set by the loop on log steps), printed after
         the lm loss as upstream's "moe loss"."""
+        self.own_losses: tuple[float, float | None] | None = None
+        """This iteration's own DP-mean (lm, MoE) losses on log steps with W&B (set by the loop): upstream's W&B-only
+        loss/<key> series."""
         t, m = run.training, run.model
         flops = iteration_flops(m, t.global_batch_size, padded_vocab, m.recompute_granularity, m.recompute_num_layers)
         self.flops = flops
+        self.parameters = m.num_parameters(run.parallel.tp)
         self.peak = peak_tflops
         self.world = run.parallel.world_size
         self.recompute = m.recompute_granularity or "none"
@@ -75,7 +81,7 @@ class TrainingLogger:
                     moe_loss: float | None = None) -> None:
         """This iteration's scalars under upstream's tags (the loop calls it at --tensorboard-log-interval with the
         iteration's own DP-mean loss, and MoE loss for a model with experts, as upstream's)."""
-        if self.writer is None or self.rank != 0:
+        if self.writer is None:
             return
         seq = self.run.model.seq_length
         tb.write_training(self.writer, self.opts, it, consumed, consumed * seq, loss=loss, lr=res.lr,
@@ -113,12 +119,17 @@ class TrainingLogger:
             f"ETA: {datetime.timedelta(seconds=int(eta))} |"
         )
         print_rank0(line, self.rank)
-        if self.writer is not None and self.rank == 0:
+        if self.writer is not None:
             # Our own throughput series (upstream has no TensorBoard tags for these); the rest: tensorboard.py.
             for name, val in (("tokens-per-sec", tokens_per_s), ("TFLOPs", tflops), ("MFU", mfu), ("mem-GB", mem)):
                 self.writer.add_scalar(name, val, it)
             if self.opts.timers_to_tb:
                 tb.write_iteration_time(self.writer, dt, it, consumed, consumed * seq)
+            if self.writer.wandb is not None and self.own_losses is not None:
+                write_throughput(self.writer.wandb, it, seconds=dt, samples_per_sec=gbs / dt, seq_length=seq,
+                                 dp=self.run.parallel.dp,
+                                 world=self.world, tflops=tflops, parameters=self.parameters,
+                                 losses=self.own_losses)
 
     def validation(self, prefix: str, loss: float, it: int, consumed: int, test: bool = False,
                    write: bool = True) -> None:
@@ -130,5 +141,5 @@ class TrainingLogger:
         line = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         bar = "-" * (len(line) + 1)
         print_rank0(f"{bar}\n{line}\n{bar}", self.rank)
-        if write and self.writer is not None and self.rank == 0:
+        if write and self.writer is not None:
             tb.write_evaluation(self.writer, self.opts, loss, it, consumed, consumed * self.run.model.seq_length, test)

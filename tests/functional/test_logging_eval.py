@@ -129,8 +129,10 @@ def test_upstream_tags_end_evaluation_and_skip_train(tmp_path):
     assert not (tmp_path / "tb2").exists()
 
 
-def test_wandb_is_refused_in_one_line():
+def test_wandb_without_a_folder_is_refused_in_one_line():
+    """W&B is honoured (tests/functional/test_wandb_offline.py); with neither --wandb-save-dir nor --save it has no
+    folder (upstream crashes on os.path.join(None, 'wandb')): one line naming both."""
     proc = run_pretrain(1, TINY_GPT + ["--wandb-project", "p"], check=False, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "--wandb-project" in proc.stderr and "--tensorboard-dir" in \
-        proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--wandb-project" in proc.stderr and "--wandb-save-dir" in \
+        proc.stderr and "--save DIR" in proc.stderr, proc.stderr

@@ -36,6 +36,15 @@ def test_every_upstream_flag_is_in_exactly_one_class():
     assert not wrong, f"flags in no class or in several: {wrong}"
 
 
+def test_issue_44_flags_are_honoured():
+    """W&B, the per-split data paths and the checkpoint-argument flags (issue 44) are honoured, no longer refused."""
+    ours = _ours()
+    rows = {row["flags"][0]: row for row in compat.upstream_flags()}
+    flags = ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--train-data-path", "--valid-data-path",
+             "--test-data-path", "--use-checkpoint-args", "--load-tag")
+    assert {f: compat.rule(rows[f], ours)[0][0] for f in flags} == dict.fromkeys(flags, compat.HONOURED)
+
+
 def test_tables_name_only_upstream_flags():
     known = {f for row in compat.upstream_flags() for f in row["flags"]}
     groups = {row["group"] for row in compat.upstream_flags()}

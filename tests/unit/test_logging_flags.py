@@ -1,5 +1,5 @@
 """Upstream Megatron-DeepSpeed's logging flags, in-process: each honoured flag changes what is written, the
-no-ops are said, wandb is refused in one line; the TensorBoard tag sets against upstream's training_log."""
+no-ops are said; the TensorBoard tag sets against upstream's training_log (W&B's flags: test_wandb_writer.py)."""
 
 import math
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron.arguments.dry_run import configure_dry_run
-from megatron.errors import ConfigError, run_cli
+from megatron.errors import ConfigError, DataError, run_cli
 from megatron.config.sizes import named_model
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_memory
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import show_layout  # noqa: E402  (tools/ is not a package: imported from its folder)
 
+CORPUS, CORPUS_B = (str(ROOT / "tests" / "fixtures" / "upstream_data" / c) for c in ("corpus_a", "corpus_b"))
 ONE_T = ["--world-size", "1024", "--model-size", "gpt-1t", "--tensor-model-parallel-size", "8",
          "--pipeline-model-parallel-size", "64", "--zero-stage", "1", "--bf16", "--use-flash-attn-v2",
          "--recompute-granularity", "full", "--global-batch-size", "1024"]
@@ -91,12 +92,27 @@ def test_large_tables_elide_middle_nodes(capsys):
 def test_explicit_shape_flags_and_ignored_training_flags(capsys):
     rc, out, _ = run(capsys, ["--world-size", "8", "--num-layers", "2", "--hidden-size", "64",
                               "--num-attention-heads", "4", "--seq-length", "32", "--tensor-model-parallel-size", "2",
-                              "--lr", "1e-4", "--data-path", "x", "--mock-data"])
+                              "--lr", "1e-4", "--data-path", CORPUS, "--mock-data"])
     assert rc == 0
     params = GPT_H64.config(vocab_size=50257).num_parameters(2)
     assert f"{params / 1e9:.2f}B parameters" in out
     assert "fp32" in out and "flash" not in out.splitlines()[0]
-    assert out.rstrip().endswith("(ignored training flags: --data-path --lr --mock-data)")
+    assert "data: 1 file(s) checked (.bin/.idx header and sizes)" in out  # the data files are checked, not ignored
+    assert out.rstrip().endswith("(ignored training flags: --lr --mock-data)")
+
+
+def test_dry_run_checks_every_data_file(capsys, tmp_path):
+    shape = ["--world-size", "1", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+    rc, out, _ = run(capsys, [*shape, "--train-data-path", "0.3", CORPUS, "0.7", CORPUS_B, "--valid-data-path",
+                              CORPUS, "--test-data-path", CORPUS_B])
+    assert rc == 0 and "data: 4 file(s) checked (.bin/.idx header and sizes, token ids < 1001)" in out
+    with pytest.raises(DataError, match="test.idx"):
+        configure_dry_run([*shape, "--train-data-path", CORPUS, "--test-data-path", str(tmp_path / "test")], 8)
+    with pytest.raises(DataError, match="--valid-data-path .* is a directory"):
+        configure_dry_run([*shape, "--train-data-path", CORPUS, "--valid-data-path", str(tmp_path)], 8)
+    with pytest.raises(DataError, match="holds token id 9.. but the tokenizer has only 501 entries"):
+        configure_dry_run([*shape[:-1], "500", "--train-data-path", CORPUS], 8)
 
 
 def test_model_size_overrides(capsys):

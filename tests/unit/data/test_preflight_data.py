@@ -1,6 +1,6 @@
 """Data errors come before any process group (issue 13, items 2 and 3): a missing or damaged prefix, a
 directory as --data-path, a bad --split, missing tokenizer files, a corpus too small for --seq-length;
-many epochs are warned about once per job."""
+many epochs are warned about once per job. The same for every file of the per-split paths (issue 44)."""
 
 import os
 import shutil
@@ -87,3 +87,39 @@ def test_per_epoch_doc_shuffle_without_data_path_is_refused(monkeypatch, capsys)
     assert_one_line_error(rc, err, out, "--per-epoch-doc-shuffle orders the documents of --data-path")
     rc, err, out = run_until_process_group(list(BASE), monkeypatch, capsys)
     assert rc is None  # the same flags without it reach the process group
+
+
+def _per_split_argv(gpt2_flags: list[str], *paths: str) -> list[str]:
+    argv = _argv("x", gpt2_flags)
+    i = argv.index("--data-path")
+    del argv[i:i + 2]
+    return argv + list(paths)
+
+
+def test_per_split_paths_checked_before_the_process_group(dataset_prefix, tiny_prefix, gpt2_flags, tmp_path,
+                                                          monkeypatch, capsys):
+    """Every file of every split opens and fits the tokenizer; the train corpora (whole, not --split's share) must
+    fill one iteration; the flag named is the one that holds the file."""
+    ok = ["--train-data-path", "0.3", dataset_prefix, "0.7", dataset_prefix, "--valid-data-path", dataset_prefix,
+          "--test-data-path", dataset_prefix]
+    rc, err, out = run_until_process_group(_per_split_argv(gpt2_flags, *ok), monkeypatch, capsys)
+    assert rc is None and err == "", err
+    missing = str(tmp_path / "nope")
+    small = {"--seq-length": "4096", "--max-position-embeddings": "4096", "--global-batch-size": "2",
+             "--micro-batch-size": "1"}
+    cases = [
+        (ok[:-1] + [missing], {}, [f"{missing}.idx not found"]),
+        (ok[:5] + ["--valid-data-path", os.path.dirname(dataset_prefix)], {},
+         ["--valid-data-path", "is a directory", f"e.g. --valid-data-path {dataset_prefix}"]),
+        (["--train-data-path", "0.5", dataset_prefix, "0.5"], {}, ["--train-data-path has 3 entries"]),
+        (["--train-data-path", tiny_prefix], small, [f"--train-data-path {tiny_prefix}: its train split holds 252"]),
+        (["--data-path", dataset_prefix, "--test-data-path", dataset_prefix], {},
+         ["--data-path and --test-data-path are both given", "upstream reads --data-path"]),
+        (["--valid-data-path", dataset_prefix], {}, ["--valid-data-path / --test-data-path without --train-data"]),
+    ]
+    for paths, overrides, needles in cases:
+        argv = _per_split_argv(gpt2_flags)
+        for flag, value in overrides.items():
+            argv = with_flag(argv, flag, value)
+        rc, err, out = run_until_process_group(argv + paths, monkeypatch, capsys)
+        assert_one_line_error(rc, err, out, *needles)

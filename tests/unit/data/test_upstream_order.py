@@ -1,6 +1,7 @@
 """Same data, same order as upstream Megatron-DeepSpeed: every index array, the first 1,000 samples of each split,
-the blend and the global batches equal arrays that upstream's own code made (tests/fixtures/upstream_data, see its
-README for the script and upstream's commit); and upstream's index cache is reused, or refused in one log line."""
+the blend, the per-split paths (--train/--valid/--test-data-path) and the global batches equal arrays that upstream's
+own code made (tests/fixtures/upstream_data, see its README for the script and upstream's commit); and upstream's
+index cache is reused, or refused in one log line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from megatron.data import index_build
-from megatron.data.gpt_builder import build_train_valid_test_datasets
+from megatron.data.gpt_builder import build_per_split_datasets, build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.data.num_samples import train_valid_test_num_samples
 from megatron.training.batches import microbatches
@@ -25,7 +26,11 @@ SPLITS = ("train", "valid", "test")
 
 def _build(name: str, cache: str, log=None):
     m = META[name]
-    return build_train_valid_test_datasets(m["data_path"], m["split"], m["seq_length"], m["seed"],
+    paths = m["data_path"]
+    if isinstance(paths, dict):  # upstream's per-split paths
+        return build_per_split_datasets(tuple(paths.get(s) for s in SPLITS), m["split"], m["seq_length"], m["seed"],
+                                        tuple(m["num_samples"]), cache, 1000, log=log or (lambda _: None))
+    return build_train_valid_test_datasets(paths, m["split"], m["seq_length"], m["seed"],
                                            tuple(m["num_samples"]), cache, 1000, log=log or (lambda _: None))
 
 
@@ -33,12 +38,13 @@ def _build(name: str, cache: str, log=None):
 def in_fixtures(monkeypatch, tmp_path):
     """The corpora (no upstream cache: these arrays must be built) in a folder where their relative data paths,
     as upstream was given them, resolve."""
-    for f in ("corpus_a.bin", "corpus_a.idx", "corpus_b.bin", "corpus_b.idx"):
-        shutil.copy(os.path.join(FIXTURES, f), tmp_path / f)
+    for c in ("a", "b", "c", "d"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(os.path.join(FIXTURES, f"corpus_{c}{ext}"), tmp_path / f"corpus_{c}{ext}")
     monkeypatch.chdir(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["one_epoch", "few_epochs_separate_last", "many_epochs", "blend"])
+@pytest.mark.parametrize("name", ["one_epoch", "few_epochs_separate_last", "many_epochs", "blend", "per_split"])
 def test_indices_and_first_samples_equal_upstreams(name, in_fixtures, tmp_path):
     want = np.load(os.path.join(FIXTURES, f"{name}.npz"))
     for split, ds in zip(SPLITS, _build(name, str(tmp_path / "cache")), strict=True):
@@ -56,6 +62,34 @@ def test_indices_and_first_samples_equal_upstreams(name, in_fixtures, tmp_path):
         samples = want[f"{split}_samples"]
         got = np.stack([ds[i]["text"] for i in range(len(samples))])
         np.testing.assert_array_equal(got, samples.astype(np.int64), err_msg=split)
+
+
+def test_per_split_fixture_reads_whole_corpora_of_each_split():
+    """What the per_split scenario checks: train blends corpus_a and corpus_b (weights 0.3/0.7, every document, not
+    --split's share), valid is corpus_c alone and test corpus_d alone."""
+    m, want = META["per_split"], np.load(os.path.join(FIXTURES, "per_split.npz"))
+    assert m["data_path"] == {"train": ["0.3", "corpus_a", "0.7", "corpus_b"], "valid": ["corpus_c"],
+                              "test": ["corpus_d"]}
+    for tag, corpus in (("train0", "corpus_a"), ("train1", "corpus_b"), ("valid", "corpus_c"), ("test", "corpus_d")):
+        docs = IndexedDataset(os.path.join(FIXTURES, corpus)).num_documents
+        assert sorted(set(want[f"{tag}_doc_idx"].tolist())) == list(range(docs)), tag
+    assert len(want["train_samples"]) == 1000
+
+
+def test_data_path_train_cache_is_not_taken_for_a_per_split_run(tmp_path, monkeypatch):
+    """Upstream's cache description has no document range: its --data-path train cache of corpus_a (the --split
+    share, 3 epochs) has the md5 a --train-data-path corpus_a run of the same count looks for (all documents, also 3
+    epochs). The arrays do not fit the documents, so it is refused in one line and ours are built."""
+    _copy_fixture_cache(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    m, logs = META["few_epochs_separate_last"], []
+    train, valid, test = build_per_split_datasets((["corpus_a"], None, None), m["split"], m["seq_length"], m["seed"],
+                                                  (m["num_samples"][0], 10, 10), str(tmp_path / "ours"), 1000,
+                                                  log=logs.append)
+    assert valid is None and test is None  # no path, no split
+    refused = [x for x in logs if "not reusing upstream's train index cache" in x]
+    assert len(refused) == 1 and "not 3 epochs x 293 documents" in refused[0], logs
+    assert train.index_source == "ours" and len(train.documents) == 293
 
 
 def test_fixture_scenarios_cover_the_epoch_cases():
