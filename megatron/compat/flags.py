@@ -81,7 +81,9 @@ NOOPS: dict[str, NoOp] = {
                                         "accumulate in fp32)"),
     "--no-query-key-layer-scaling": NoOp("query-key layer scaling divides by the layer number before the softmax and "
                                          "multiplies it back inside; with the fp32 softmax here it is the identity"),
-    "--onnx-safe": NoOp("it only changes how GeLU is written for ONNX export"),
+    "--onnx-safe": NoOp("it only changes how GeLU is written for ONNX export", lambda v, a: not a.squared_relu,
+                        "with --squared-relu upstream runs the erf GeLU instead of squared ReLU (its activation "
+                        "order); drop one of them"),
     # data-parallel wrappers and Megatron's own optimizer plumbing, unused under DeepSpeed
     "--DDP-impl": NoOp(_DS),
     "--no-contiguous-buffers-in-local-ddp": NoOp(_DS),
@@ -155,20 +157,13 @@ REFUSALS: dict[str, Refused] = {
     "--num-experts-switch": Refused(_SWITCH),
     "--use-tutel": Refused(_TUTEL),
     # model variants with other arithmetic
-    "--apply-layernorm-1p": Refused("the 1+gamma norm parametrisation is not built: drop the flag"),
-    "--apply-residual-connection-post-layernorm": Refused("post-norm residuals are not built: drop the flag"),
-    "--squared-relu": Refused("use --swiglu, the exact GeLU or --openai-gelu"),
-    "--embedding-weights-in-fp32": Refused("embeddings are kept in the run's precision here: drop the flag"),
-    "--fp32-residual-connection": Refused("the residual stream stays in the run's precision here: drop the flag"),
     "--fp16-lm-cross-entropy": Refused("the cross entropy is always computed in fp32 here: drop the flag"),
-    "--init-method-xavier-uniform": Refused("weights use Megatron's normal init (--init-method-std): drop the flag"),
     "--data-parallel-random-init": Refused("every DP replica starts from the same weights here: drop the flag"),
     "--no-initialization": Refused("weights are always initialised (a --load overwrites them): drop the flag"),
     "--decoder-num-layers": Refused("GPT has one layer stack: use --num-layers"),
     "--pipeline-model-parallel-split-rank": Refused("an encoder/decoder split has no meaning for GPT: drop the flag"),
     "--num-layers-per-virtual-pipeline-stage": Refused(
         "DeepSpeed's pipeline engine has no interleaved schedule: drop the flag (1F1B is used)"),
-    "--standalone-embedding-stage": Refused("the embedding shares the first pipeline stage: drop the flag"),
     "--enable-zbh1-pipeline": Refused("the zero-bubble schedule is not built: drop the flag (1F1B is used)"),
     "--enable-zbh1-exact-semantics": Refused("the zero-bubble schedule is not built: drop the flag"),
     "--random-ltd": Refused("random layer-token drop is not built: drop the flag"),
