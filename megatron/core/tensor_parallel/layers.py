@@ -49,25 +49,27 @@ def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition
                      std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1,
                      init_method: str = "normal") -> None:
     """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std), or with ``init_method``
-    'xavier_uniform' from torch's ``xavier_uniform_`` of the full weight (--init-method-xavier-uniform: its bound
-    from the full matrix's fans, so every TP size draws the same model; upstream's --use-cpu-initialization path).
+    'xavier_uniform' (--init-method-xavier-uniform) from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the full
+    [out, in] weight: torch's ``xavier_uniform_`` of the full matrix, as upstream's --use-cpu-initialization path
+    draws it (its GPU path would take the shard's fans, another distribution at every TP size).
 
     ``stride`` > 1 means the full weight is ``stride`` stacked blocks (e.g. SwiGLU's [gate; up]) and
     every rank takes its slice of each block, keeping gate and up rows aligned on each rank.
     """
-    with torch.no_grad():
+    def draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
         if init_method == "xavier_uniform":
-            gen = torch.Generator().manual_seed(_stable_seed(seed, key))
-            full = torch.nn.init.xavier_uniform_(torch.empty(full_shape, dtype=torch.float32), generator=gen)
-            param.copy_(shard_tensor(full, partition_dim, tp.size, tp.rank, stride))
-        elif tp.size == 1 or use_cpu_init:
-            gen = torch.Generator().manual_seed(_stable_seed(seed, key))
-            full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            bound = math.sqrt(6.0 / (full_shape[0] + full_shape[1]))
+            return t.uniform_(-bound, bound, generator=gen)
+        return t.normal_(0.0, std, generator=gen)
+
+    with torch.no_grad():
+        if tp.size == 1 or use_cpu_init:
+            full = draw(full_shape, torch.Generator().manual_seed(_stable_seed(seed, key)))
             param.copy_(shard_tensor(full, partition_dim, tp.size, tp.rank, stride))
         else:
-            gen = torch.Generator().manual_seed(_stable_seed(seed, key, salt=1 + tp.rank))
-            shard = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
-            param.copy_(shard)
+            param.copy_(draw(tuple(param.shape), torch.Generator().manual_seed(_stable_seed(seed, key,
+                                                                                            salt=1 + tp.rank))))
 
 
 def initialize_uniform(param: nn.Parameter, bound: float, seed: int, key: str) -> None:
