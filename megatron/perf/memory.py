@@ -17,6 +17,9 @@ Conventions (all numbers are bytes on one GCD):
   with SP; the ``5as^2b`` score term becomes ``4asb`` bytes (fp32 log-sum-exp) with flash attention and 0
   with selective recompute; full recompute stores only each layer's input (``2sbh``, /t with SP) plus one
   layer's full working set during its backward.
+* Upstream's variants: with --fp32-residual-connection the residual stream (the norms' inputs, full recompute's
+  checkpoints, the tensors between stages) counts 4 bytes; --embedding-weights-in-fp32 adds the lookup's transient
+  fp32 copy of the table on stage 0; --standalone-embedding-stage leaves stage 0 without layers.
 * Pipeline: with 1F1B, stage i holds min(pp - i, num_microbatches) micro-batches in flight, so the first
   stage (which also holds the embedding) is the worst for activations; the last stage holds the logits
   (the 16-bit output plus the fp32 softmax kept by the vocab-parallel cross entropy) and, with tied

@@ -3,6 +3,7 @@ on CPU) where its CPU path runs them, else against the formula its flag names: o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -205,3 +206,57 @@ def test_xavier_uniform_reaches_every_matrix_and_is_the_same_at_every_tp():
     bound = (6.0 / (FFN + HIDDEN)) ** 0.5
     assert not torch.equal(own.dense_h_to_4h.weight, shard.dense_h_to_4h.weight)
     assert bound >= own.dense_h_to_4h.weight.abs().max() > 0.8 * bound
+
+
+def _configure(*extra: str):
+    from megatron.arguments import parse_args
+    from megatron.arguments.configs import run_config_from_args
+    from tests.models import CONFIG_GPT_L4
+
+    return run_config_from_args(parse_args([*CONFIG_GPT_L4, *extra]), 2, 128)
+
+
+def test_flags_reach_the_config_with_their_notes_and_refusals():
+    run = _configure("--apply-layernorm-1p", "--squared-relu", "--apply-residual-connection-post-layernorm",
+                     "--init-method-xavier-uniform", "--embedding-weights-in-fp32", "--standalone-embedding-stage")
+    m = run.model
+    assert (m.apply_layernorm_1p, m.squared_relu, m.apply_residual_connection_post_layernorm, m.init_method,
+            m.embedding_weights_in_fp32, run.parallel.standalone_embedding_stage) == (True,) * 3 + (
+        "xavier_uniform", True, True)
+    assert "> --embedding-weights-in-fp32 has no effect in an fp32 run: the table is fp32 already" in run.notes
+    assert any("--standalone-embedding-stage has no effect with --pipeline-model-parallel-size 1" in n
+               for n in run.notes)
+    assert _configure("--fp32-residual-connection", "--bf16").model.fp32_residual_connection
+    with pytest.raises(ConfigError, match="--onnx-safe True: with --squared-relu upstream runs the erf GeLU"):
+        _configure("--squared-relu", "--onnx-safe", "True")
+    with pytest.raises(ConfigError, match="--standalone-embedding-stage and --pipeline-model-parallel-size 2: the "
+                                          "embedding-only stage 0"):
+        _configure("--standalone-embedding-stage", "--pipeline-model-parallel-size", "2", "--num-experts", "2",
+                   "--expert-interval", "1")
+
+
+def test_a_checkpoint_of_another_variant_is_refused():
+    """Variants that change what a weight means are part of the shape check; a checkpoint from before they were
+    recorded counts as trained without them."""
+    from megatron.checkpointing.resume_checks import check_model_shape
+
+    run = _configure("--apply-layernorm-1p")
+    saved = dataclasses.asdict(run.model)
+    check_model_shape(saved, run, "ckpt")
+    with pytest.raises(ConfigError, match=r"--apply-layernorm-1p \(False in the checkpoint, True now\)"):
+        check_model_shape({k: v for k, v in saved.items() if k != "apply_layernorm_1p"}, run, "ckpt")
+    with pytest.raises(ConfigError, match=r"--squared-relu \(True in the checkpoint, False now\)"):
+        check_model_shape({**saved, "squared_relu": True}, run, "ckpt")
+
+
+def test_memory_model_counts_the_fp32_residual_stream_and_the_fp32_lookup():
+    from megatron.perf.layout import Layout
+    from megatron.perf.memory import activation_bytes_per_layer, estimate_stage_memory
+
+    m = _cfg(hidden_dropout=0.0)
+    layout = Layout.of(micro_batch_size=2, dtype="bf16")
+    extra = activation_bytes_per_layer(m.replace(fp32_residual_connection=True), layout) - \
+        activation_bytes_per_layer(m, layout)
+    assert extra == 2 * SEQ * 2 * HIDDEN * (4 - 2)  # two norm inputs per layer, 4 bytes instead of 2
+    lookup = estimate_stage_memory(m.replace(embedding_weights_in_fp32=True), layout, 0).terms["embedding_activations"]
+    assert lookup == 4 * VOCAB * HIDDEN
