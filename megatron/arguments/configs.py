@@ -172,6 +172,9 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
                      "(--position-embedding-type rope), as upstream")
     if args.standalone_embedding_stage and parallel.pp == 1:
         notes.append("> --standalone-embedding-stage has no effect with --pipeline-model-parallel-size 1, as upstream")
+    if model.squared_relu and model.torch_compile and model.bias_gelu_fusion:  # upstream drops it silently
+        notes.append("> --bias-gelu-fusion falls back with --squared-relu (no GeLU to fuse): fc1 adds its bias in "
+                     "its matmul and --compile compiles the squared ReLU alone, as upstream")
     if model.embedding_weights_in_fp32 and precision.name == "fp32":
         notes.append("> --embedding-weights-in-fp32 has no effect in an fp32 run: the table is fp32 already")
     if parallel.ep > 1 and not model.moe.enabled:

@@ -227,6 +227,11 @@ def test_flags_reach_the_config_with_their_notes_and_refusals():
     assert any("--standalone-embedding-stage has no effect with --pipeline-model-parallel-size 1" in n
                for n in run.notes)
     assert _configure("--fp32-residual-connection", "--bf16").model.fp32_residual_connection
+    fusion = "> --bias-gelu-fusion falls back with --squared-relu (no GeLU to fuse)"
+    assert any(n.startswith(fusion) for n in _configure("--squared-relu", "--compile").notes)
+    unfused = _configure("--squared-relu", "--compile", "--no-bias-gelu-fusion").notes + \
+        _configure("--squared-relu").notes
+    assert not any(n.startswith(fusion) for n in unfused)
     with pytest.raises(ConfigError, match="--onnx-safe True: with --squared-relu upstream runs the erf GeLU"):
         _configure("--squared-relu", "--onnx-safe", "True")
     with pytest.raises(ConfigError, match="--standalone-embedding-stage and --pipeline-model-parallel-size 2: the "
