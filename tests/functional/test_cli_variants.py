@@ -1,16 +1,16 @@
-"""Upstream's model variants through pretrain_gpt.py: one process against TP=2 x PP=2 on 4 processes, all seven
-flags at once (they compose; --fp32-residual-connection needs --bf16). The 4-process run puts the embedding alone on
-stage 0 and sends the fp32 residual stream between stages; its losses agree with one process's within bf16's
-rounding: iteration 1's (the forward alone) within 3e-4 (measured 5e-5; leaving out --squared-relu moves it by 2e-3),
-every later one within 2e-3 (measured <= 8e-4: bf16 roundings compound over the updates), the grad norm at iteration
-10 within 2% (measured 0.7%). Measured on one process, leaving one variant out moves iteration 1's loss by 5e-3
-(post-norm residuals), 2e-2 (xavier), 8e-6 (--fp32-residual-connection) and not at all (--apply-layernorm-1p: the
-same function from its zero init; --embedding-weights-in-fp32: the same forward). So the losses tell a layout that
-lost squared ReLU, post-norm residuals or xavier's bound; the layout line shows the standalone stage; the TP=2 x PP=2
-checkpoint shows every norm of stage 1 stored zero-centred (1p); and for the two precision variants the TP=2 stage 0
-names its fp32 lookup and fp32 stream (stage 1 trains on the fp32 tensors it receives: DeepSpeed's pipeline sends
-each tensor's dtype). Each variant's arithmetic is checked against upstream's own module (or formula) in
-tests/unit/test_model_variants.py."""
+"""Upstream's model variants through pretrain_gpt.py: one process (no launcher: 8 s cheaper, the same losses) against
+TP=2 x PP=2 on 4 processes (torchrun), all seven flags at once (they compose; --fp32-residual-connection needs --bf16).
+The 4-process run puts the embedding alone on stage 0 and sends the fp32 residual stream between stages; its losses
+agree with one process's within bf16's rounding: iteration 1's (the forward alone) within 3e-4 (measured 5e-5; leaving
+out --squared-relu moves it by 2e-3), every later one within 2e-3 (measured <= 8e-4: bf16 roundings compound over the
+updates), the grad norm at iteration 10 within 2% (measured 0.7%). Measured on one process, leaving one variant out
+moves iteration 1's loss by 5e-3 (post-norm residuals), 2e-2 (xavier), 8e-6 (--fp32-residual-connection) and not at all
+(--apply-layernorm-1p: the same function from its zero init; --embedding-weights-in-fp32: the same forward). So the
+losses tell a layout that lost squared ReLU, post-norm residuals or xavier's bound; the layout line shows the standalone
+stage; the TP=2 x PP=2 checkpoint shows every norm of stage 1 stored zero-centred (1p); and for the two precision
+variants the TP=2 stage 0 names its fp32 lookup and fp32 stream (stage 1 trains on the fp32 tensors it receives:
+DeepSpeed's pipeline sends each tensor's dtype). Each variant's arithmetic is checked against upstream's own module (or
+formula) in tests/unit/test_model_variants.py."""
 
 import os
 import re
@@ -31,7 +31,7 @@ STAGE_0 = "> model features: learned positions, fp32 embedding lookup, fp32 resi
 
 
 def _run(nproc: int, *extra: str) -> tuple[dict[int, float], float, str]:
-    out = run_pretrain(nproc, [*TINY_GPT, *VARIANTS, *extra], timeout=240, check=False, torchrun=True)
+    out = run_pretrain(nproc, [*TINY_GPT, *VARIANTS, *extra], timeout=240, check=False, torchrun=nproc > 1)
     assert out.returncode != TIMED_OUT, f"{nproc} processes: timed out\n{out.stdout}"
     m = NORM.search(out.stdout)
     assert m, f"{nproc} processes: no iteration-10 line (exit {out.returncode})\n{out.stdout}\n{out.stderr}"
