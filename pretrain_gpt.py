@@ -28,7 +28,8 @@ def model_provider(run, pstate):
         from megatron.model.gpt_model_pipe import GPTModelPipe
 
         return GPTModelPipe(run.model, pstate, sequence_parallel=run.parallel.sequence_parallel,
-                            init_seed=run.training.seed)
+                            init_seed=run.training.seed,
+                            standalone_embedding_stage=run.parallel.standalone_embedding_stage)
     from megatron.model.gpt_model import GPTModel
 
     return GPTModel(run.model, tp=pstate.tp, sequence_parallel=run.parallel.sequence_parallel,

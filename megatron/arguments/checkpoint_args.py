@@ -20,7 +20,9 @@ MODEL_FLAGS = {
     "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "add_bias_linear": "--disable-bias-linear",
+    "add_bias_linear": "--disable-bias-linear", "apply_layernorm_1p": "--apply-layernorm-1p",
+    "squared_relu": "--squared-relu",
+    "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
 }
 """ModelConfig fields taken from the checkpoint, and the flag that sets each: upstream's list (its _set_arg calls)
 and what else changes a weight's shape or the arithmetic here. The vocabulary stays the tokenizer's (the data

@@ -32,6 +32,9 @@ from megatron.tokenizer import DEFAULT_TOKENIZER_TYPE, Vocabulary
 
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+# Upstream's model variants, each a ModelConfig field named as its flag's dest.
+_VARIANTS = ("squared_relu", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
+             "fp32_residual_connection", "embedding_weights_in_fp32", "init_method_xavier_uniform")
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -60,7 +63,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         recompute_partition=args.partition_activations, recompute_on_cpu=args.checkpoint_in_cpu,
         recompute_synchronize=args.synchronize_each_layer, recompute_profile=args.profile_backward,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
-        torch_compile=args.torch_compile,
+        torch_compile=args.torch_compile, **{f: getattr(args, f) for f in _VARIANTS},
         moe=_by_name(MoEConfig, args, num_experts=tuple(args.num_experts)),
     )
     if args.model_size:
@@ -160,11 +163,12 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
         runtime=_by_name(RuntimeConfig, args),
     ), args.deepspeed_config, zero_stage_given=args.zero_stage is not None, clip_grad_given=args.clip_grad is not None)
     # The notes speak of the flags as given (the JSON's recompute keys are build_ds_config's to say).
-    return RunConfig(**fields, notes=flag_notes(args, model, parallel),
+    return RunConfig(**fields, notes=flag_notes(args, model, parallel, fields["precision"]),
                      flags=dict(vars(args), tokenizer_type=data.tokenizer_type))
 
 
-def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig) -> tuple[str, ...]:
+def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig,
+               precision: PrecisionConfig) -> tuple[str, ...]:
     """Flags that are provable no-ops for this command line (as upstream), said once in the log."""
     notes = recompute_notes(args, model.recompute_granularity)
     if args.rotary_percent != 1.0 and model.position_embedding_type != "rope":
@@ -173,6 +177,13 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
     if args.split != DataConfig.split and any(getattr(args, f"{s}_data_path") for s in ("train", "valid", "test")):
         notes.append(f"> --split {args.split} selects no documents with the per-split data paths (each split reads "
                      "its corpora whole); it only names the index cache, as upstream")
+    if args.standalone_embedding_stage and parallel.pp == 1:
+        notes.append("> --standalone-embedding-stage has no effect with --pipeline-model-parallel-size 1, as upstream")
+    if model.squared_relu and model.torch_compile and model.bias_gelu_fusion:  # upstream drops it silently
+        notes.append("> --bias-gelu-fusion falls back with --squared-relu (no GeLU to fuse): fc1 adds its bias in "
+                     "its matmul and --compile compiles the squared ReLU alone, as upstream")
+    if model.embedding_weights_in_fp32 and precision.name == "fp32":
+        notes.append("> --embedding-weights-in-fp32 has no effect in an fp32 run: the table is fp32 already")
     if parallel.ep > 1 and not model.moe.enabled:
         notes.append(f"> --moe-expert-parallel-size {parallel.ep} has no effect: no layer has experts "
                      "(--num-experts), as upstream")

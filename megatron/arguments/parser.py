@@ -30,6 +30,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                         "job is replaced by the step's first node")
     g.add_argument("--master-port", type=int, default=None, help="rank 0's rendezvous port (default: MASTER_PORT, "
                                                                  "else 29500)")
+    g.add_argument("--standalone-embedding-stage", action="store_true",
+                   help="PP > 1: stage 0 holds only the embedding, the layers split over the other stages")
     g.add_argument("--rendezvous-timeout-secs", type=float, default=60.0,
                    help="how long ranks wait to meet rank 0 before one error line (the collective timeout is "
                         "--distributed-timeout-minutes)")
@@ -60,6 +62,17 @@ def _model(p: argparse.ArgumentParser) -> None:
                    default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's channels that rotate (partial rotary, GPT-NeoX's rotary_pct)")
+    g.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2 (upstream's; HF relu2)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="LayerNorm weights stored zero-centred, scaling by 1 + weight (Nemotron's LayerNorm1P)")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="add attention's and the MLP's output to their input norm's output, not the layer's input")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="with --bf16/--fp16: keep the residual stream (and the tensors between stages) in fp32")
+    g.add_argument("--embedding-weights-in-fp32", action="store_true",
+                   help="look up word embeddings in an fp32 copy of the table (its gradient in fp32)")
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="xavier_uniform_ instead of N(0, --init-method-std) for every weight matrix")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--hidden-dropout", type=float, default=0.1)

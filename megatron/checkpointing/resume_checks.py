@@ -19,8 +19,13 @@ SHAPE_FIELDS = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by", "normalization": "--normalization",
     "swiglu": "--swiglu", "openai_gelu": "--openai-gelu", "position_embedding_type": "--position-embedding-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "add_bias_linear": "--disable-bias-linear",
+    "add_bias_linear": "--disable-bias-linear", "squared_relu": "--squared-relu",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
+    "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
 }
+# Fields a checkpoint written before they existed does not record: it was trained without them.
+_RECORDED_LATER = {"squared_relu": False, "apply_layernorm_1p": False,
+                   "apply_residual_connection_post_layernorm": False}
 
 # A real heading of docs/checkpoints.md (tests/unit/test_preflight.py checks that the anchor exists).
 RESHARD_DOC = "docs/checkpoints.md#resharding-full-state-conversion"
@@ -130,7 +135,7 @@ def _shown(v):
 
 def check_model_shape(model: dict, run: RunConfig, where: str) -> None:
     """Refuse a checkpoint whose model fields in ``SHAPE_FIELDS`` differ from this run's, naming them."""
-    now = dataclasses.asdict(run.model)
+    now, model = dataclasses.asdict(run.model), {**_RECORDED_LATER, **model}
     changed = [f"{flag} ({model[k]} in the checkpoint, {now[k]} now)" for k, flag in SHAPE_FIELDS.items()
                if k in model and model[k] != now[k]]
     if changed:

@@ -42,15 +42,21 @@ class NoOp:
 @dataclass(frozen=True)
 class Refused:
     instead: str
-    """What to use instead, or why it cannot be honoured here."""
+    """Why it is refused (the real reason: upstream refuses it too, another model, a library or hardware we lack, or
+    arithmetic not built), then what to do instead; one line."""
 
 
 _DS = "DeepSpeed's engine does data parallelism and the optimizer step here, as upstream under --deepspeed"
 _KERNEL = "a kernel choice with the same arithmetic; megatron/kernels picks the fastest backend"
 _PIPE = "Megatron's own pipeline schedule; pipelines run on DeepSpeed's engine here, as upstream under --deepspeed"
 _NOT_GPT = "not used by GPT pretraining (upstream reads it only for BERT/T5/ICT models)"
-_TUTEL = ("Tutel's MoE kernels are not used here (the same gate and dispatch arithmetic runs in torch): drop the "
-          "flag")
+_TUTEL = ("needs Tutel, a CUDA MoE kernel library not shipped here (the same gate and dispatch arithmetic runs in "
+          "torch): drop the flag")
+_FPDT = ("FPDT (DeepSpeed's fpdt_layer) needs the flash_attn CUDA package, not shipped here: drop the flag "
+         "(DeepSpeed-Ulysses: --ds-sequence-parallel-size)")
+_INDEX_FILES = ("explicit index-cache file names are not read: caches (upstream's included) are found through "
+                "--data-cache-path")
+_NEVER_READ = "upstream defines it and never reads it (at 4efb479d)"
 _SWITCH = ("Megatron-LM's switch MLP (argmax routing without capacity or load-balancing loss) is not built: use "
            "--num-experts with --topk 1 (DeepSpeed-MoE)")
 
@@ -81,7 +87,9 @@ NOOPS: dict[str, NoOp] = {
                                         "accumulate in fp32)"),
     "--no-query-key-layer-scaling": NoOp("query-key layer scaling divides by the layer number before the softmax and "
                                          "multiplies it back inside; with the fp32 softmax here it is the identity"),
-    "--onnx-safe": NoOp("it only changes how GeLU is written for ONNX export"),
+    "--onnx-safe": NoOp("it only changes how GeLU is written for ONNX export", lambda v, a: not a.squared_relu,
+                        "with --squared-relu upstream runs the erf GeLU instead of squared ReLU (its activation "
+                        "order); drop one of them"),
     # data-parallel wrappers and Megatron's own optimizer plumbing, unused under DeepSpeed
     "--DDP-impl": NoOp(_DS),
     "--no-contiguous-buffers-in-local-ddp": NoOp(_DS),
@@ -110,6 +118,11 @@ NOOPS: dict[str, NoOp] = {
     "--exit-signal-handler": NoOp("SIGTERM and SIGUSR1 always save a checkpoint and exit 0 here"),
     "--contigious-checkpointing": NoOp("it only packs DeepSpeed's checkpoint partitions into one buffer (allocator "
                                        "layout); each checkpointed input is its own tensor here"),
+    "--split-transformers": NoOp("upstream only doubles the buffer count of DeepSpeed's contiguous checkpointing with "
+                                 "it (allocator layout); each checkpointed input is its own tensor here"),
+    "--memory-centric-tiled-linear": NoOp(_NEVER_READ),
+    "--tile-factor": NoOp(_NEVER_READ),
+    "--scattered-embeddings": NoOp(_NEVER_READ),
     "--ds_fused_adam": NoOp("the same AdamW update: torch's fused AdamW is used on every accelerator"),
     "--log-num-zeros-in-grad": NoOp("under --deepspeed upstream's train_step returns no count either (it comes only "
                                     "from Megatron's own optimizer)"),
@@ -147,64 +160,69 @@ NOOPS: dict[str, NoOp] = {
 
 REFUSALS: dict[str, Refused] = {
     # deprecated upstream too (upstream asserts)
-    "--batch-size": Refused("use --micro-batch-size (upstream refuses it too)"),
-    "--warmup": Refused("use --lr-warmup-fraction or --lr-warmup-iters (upstream refuses it too)"),
-    "--model-parallel-size": Refused("use --tensor-model-parallel-size (upstream refuses it too)"),
+    "--batch-size": Refused("deprecated, and upstream refuses it too: use --micro-batch-size"),
+    "--warmup": Refused("deprecated, and upstream refuses it too: use --lr-warmup-fraction or --lr-warmup-iters"),
+    "--model-parallel-size": Refused("deprecated, and upstream refuses it too: use --tensor-model-parallel-size"),
     # mixture of experts: the DeepSpeed-MoE flags are honoured (megatron/config/moe.py); these two are not
     "--num-experts-switch": Refused(_SWITCH),
     "--use-tutel": Refused(_TUTEL),
-    # model variants with other arithmetic
-    "--apply-layernorm-1p": Refused("the 1+gamma norm parametrisation is not built: drop the flag"),
-    "--apply-residual-connection-post-layernorm": Refused("post-norm residuals are not built: drop the flag"),
-    "--squared-relu": Refused("use --swiglu, the exact GeLU or --openai-gelu"),
-    "--embedding-weights-in-fp32": Refused("embeddings are kept in the run's precision here: drop the flag"),
-    "--fp32-residual-connection": Refused("the residual stream stays in the run's precision here: drop the flag"),
-    "--fp16-lm-cross-entropy": Refused("the cross entropy is always computed in fp32 here: drop the flag"),
-    "--init-method-xavier-uniform": Refused("weights use Megatron's normal init (--init-method-std): drop the flag"),
-    "--data-parallel-random-init": Refused("every DP replica starts from the same weights here: drop the flag"),
-    "--no-initialization": Refused("weights are always initialised (a --load overwrites them): drop the flag"),
-    "--decoder-num-layers": Refused("GPT has one layer stack: use --num-layers"),
-    "--pipeline-model-parallel-split-rank": Refused("an encoder/decoder split has no meaning for GPT: drop the flag"),
+    # other arithmetic, not built
+    "--fp16-lm-cross-entropy": Refused("a cross entropy over fp16 logits is not built (upstream allows it only with "
+                                       "--fp16); the loss is computed in fp32 here: drop the flag"),
+    "--data-parallel-random-init": Refused("other initial weights on each data-parallel replica are not built; every "
+                                           "replica starts from the same weights here: drop the flag"),
+    "--no-initialization": Refused("leaving the weights uninitialised is not built (a --load overwrites every weight "
+                                   "anyway): drop the flag"),
+    # other models and entry points than GPT pretraining
+    "--decoder-num-layers": Refused("an encoder-decoder (T5) setting; GPT has one layer stack: use --num-layers"),
+    "--pipeline-model-parallel-split-rank": Refused("an encoder-decoder (T5) pipeline split; GPT has no decoder: drop "
+                                                    "the flag"),
     "--num-layers-per-virtual-pipeline-stage": Refused(
         "DeepSpeed's pipeline engine has no interleaved schedule: drop the flag (1F1B is used)"),
-    "--standalone-embedding-stage": Refused("the embedding shares the first pipeline stage: drop the flag"),
     "--enable-zbh1-pipeline": Refused("the zero-bubble schedule is not built: drop the flag (1F1B is used)"),
     "--enable-zbh1-exact-semantics": Refused("the zero-bubble schedule is not built: drop the flag"),
-    "--random-ltd": Refused("random layer-token drop is not built: drop the flag"),
-    "--ds-inference": Refused("this is a pretraining entry point: drop the flag"),
-    "--inference": Refused("this is a pretraining entry point: drop the flag"),
-    "--lazy-mpu-init": Refused("the process group is always created by pretrain_gpt.py: drop the flag"),
-    "--use-dataset-only": Refused("use tools/ or megatron.data directly to build datasets without a model"),
-    "--force-ds-sequence-parallel": Refused("not built: drop the flag"),
-    "--ds-sequence-parallel-fpdt": Refused("FPDT sequence parallelism is not built: drop the flag"),
-    "--ds-sequence-parallel-fpdt-chunk-size": Refused("FPDT sequence parallelism is not built: drop the flag"),
-    "--ds-sequence-parallel-fpdt-offloading": Refused("FPDT sequence parallelism is not built: drop the flag"),
-    "--memory-centric-tiled-linear": Refused("tiled linear layers are not built: drop the flag"),
-    "--tile-factor": Refused("tiled linear layers are not built: drop the flag"),
-    "--scattered-embeddings": Refused("not built: drop the flag"),
-    "--split-transformers": Refused("not built: drop the flag"),
+    "--random-ltd": Refused("DeepSpeed's random layer-token drop (its data-efficiency library) is not wired into this "
+                            "model: drop the flag"),
+    "--ds-inference": Refused("upstream's DeepSpeed-inference text generation, not pretraining: drop the flag"),
+    "--inference": Refused("upstream's text-generation mode, not pretraining: drop the flag"),
+    "--lazy-mpu-init": Refused("for programs that call upstream's initialize_megatron and build the groups themselves; "
+                               "pretrain_gpt.py builds them: drop the flag"),
+    "--use-dataset-only": Refused("upstream's data-analysis mode (datasets without a model), not pretraining: build "
+                                  "them with megatron.data or tools/ directly"),
+    "--force-ds-sequence-parallel": Refused("DeepSpeed's sequence-parallel attention forced at sequence-parallel size "
+                                            "1 is not built: drop the flag (DeepSpeed-Ulysses: "
+                                            "--ds-sequence-parallel-size N > 1)"),
+    "--ds-sequence-parallel-fpdt": Refused(_FPDT),
+    "--ds-sequence-parallel-fpdt-chunk-size": Refused(_FPDT),
+    "--ds-sequence-parallel-fpdt-offloading": Refused(_FPDT),
     # data
-    "--aml-data-download-path": Refused("prefix --data-path yourself"),
-    "--vocab-extra-ids": Refused("extra sentinel ids are a T5 feature: drop the flag"),
-    "--train-data-exact-num-epochs": Refused("the epochs follow from --train-iters / --train-samples: drop the flag"),
-    "--return-data-index": Refused("not built: drop the flag"),
-    "--data-efficiency-curriculum-learning": Refused("DeepSpeed data efficiency is not built: drop the flag"),
-    "--train-idx-path": Refused("index caches are found through --data-cache-path"),
-    "--train-desc-path": Refused("index caches are found through --data-cache-path"),
-    "--train-doc-idx-path": Refused("index caches are found through --data-cache-path"),
-    "--train-sample-idx-path": Refused("index caches are found through --data-cache-path"),
-    "--train-shuffle-idx-path": Refused("index caches are found through --data-cache-path"),
-    "--repeated-dataloader": Refused("the loader already runs across epochs: drop the flag"),
-    "--trust-remote-code": Refused("tokenizers never run code from their directory here: drop the flag"),
+    "--aml-data-download-path": Refused("AzureML's dataset mount is not built: prefix each --data-path with the "
+                                        "folder yourself (what upstream does with it)"),
+    "--vocab-extra-ids": Refused("T5's sentinel tokens, not used by GPT: drop the flag"),
+    "--train-data-exact-num-epochs": Refused("sizing the train split by an exact epoch count (upstream's data "
+                                             "analysis) is not built: use --train-iters or --train-samples"),
+    "--return-data-index": Refused("each sample's index in the batch (upstream's data analysis) is not built: drop "
+                                   "the flag"),
+    "--data-efficiency-curriculum-learning": Refused("DeepSpeed's data-efficiency curriculum is not wired into this "
+                                                     "data pipeline: drop the flag"),
+    "--train-idx-path": Refused(_INDEX_FILES),
+    "--train-desc-path": Refused(_INDEX_FILES),
+    "--train-doc-idx-path": Refused(_INDEX_FILES),
+    "--train-sample-idx-path": Refused(_INDEX_FILES),
+    "--train-shuffle-idx-path": Refused(_INDEX_FILES),
+    "--repeated-dataloader": Refused("DeepSpeed's RepeatingLoader wrapper is not built: drop the flag"),
+    "--trust-remote-code": Refused("it would run Python code from a tokenizer's directory, which this trainer never "
+                                   "does (security): drop the flag"),
 }
 
 REFUSED_GROUPS: dict[str, str] = {
-    "vision": "vision models are not built here: drop the vision flags",
-    "biencoder": "ICT/biencoder models are not built here: drop the biencoder flags",
-    "retro": "RETRO is not built here: drop the retro flags",
-    "Knowledge distillation": "knowledge distillation is not built here: drop the distillation flags",
-    "inference": "this is a pretraining entry point: drop the inference flags",
-    "Transformer-Engine": "Transformer Engine / fp8 is not built here: drop the fp8 flags (use --bf16)",
+    "vision": "vision models, not GPT: drop the vision flags",
+    "biencoder": "ICT/biencoder retrieval models, not GPT: drop the biencoder flags",
+    "retro": "RETRO, a retrieval-augmented model other than GPT: drop the retro flags",
+    "Knowledge distillation": "distillation from a teacher model is not built: drop the distillation flags",
+    "inference": "upstream's text generation, not pretraining: drop the inference flags",
+    "Transformer-Engine": "needs NVIDIA's Transformer Engine library, not shipped here, and fp8 matmuls, which the "
+                          "MI250X lacks: drop the fp8 flags (use --bf16)",
     "autoresume": "ADLR autoresume is not built here: under Slurm the run saves and exits 0 before the job's end by "
                   "itself (--job-end-margin-secs), and examples/frontier's scripts submit the job that resumes it "
                   "(docs/campaigns.md)",

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron.config.moe import MoEConfig
+from megatron.config.parallel import split_layers
 from megatron.errors import ConfigError
 from megatron.flag_bounds import check_fields
 
@@ -40,6 +41,25 @@ class ModelConfig:
     swiglu: bool = False
     openai_gelu: bool = False
     """GeLU with the tanh approximation (Megatron's --openai-gelu; HF GPT-2's gelu_new), else the exact erf GeLU."""
+    squared_relu: bool = False
+    """--squared-relu: the MLP's activation is relu(x)^2 (upstream's ``squared_relu``; HF's ``relu2``)."""
+    apply_layernorm_1p: bool = False
+    """--apply-layernorm-1p: every LayerNorm (the final one too) stores its weight zero-centred, computing with
+    1 + weight (upstream's CUDA MixedFusedLayerNorm, Nemotron's LayerNorm1P)."""
+    apply_residual_connection_post_layernorm: bool = False
+    """--apply-residual-connection-post-layernorm: the residual added around attention and MLP is their input
+    norm's output, not the layer's input (upstream's original-BERT ordering); the layer stays pre-norm."""
+    fp32_residual_connection: bool = False
+    """--fp32-residual-connection: the residual stream (the embedding's output, every residual add, the tensors
+    between pipeline stages) is fp32 under --bf16/--fp16; the norms compute in fp32 and hand attention and MLP the
+    run's dtype."""
+    embedding_weights_in_fp32: bool = False
+    """--embedding-weights-in-fp32: the word-embedding lookup (and its TP reduction and gradient) runs on an fp32
+    copy of the table, rounded to the run's dtype after; no effect in fp32 runs."""
+    init_method_xavier_uniform: bool = False
+    """--init-method-xavier-uniform: every weight --init-method-std would draw (QKV, projections, MLPs, experts,
+    embeddings, positions, the untied output layer) is torch's xavier_uniform_ of the full matrix instead, with no
+    1/sqrt(2L) output scaling (upstream's intent)."""
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' or 'rope'."""
     rotary_base: float = 10000.0
@@ -104,6 +124,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Channels of a head that rotary embeddings rotate (the first ones), as upstream computes it."""
         return int(self.head_dim * self.rotary_percent) if self.rotary_percent < 1.0 else self.head_dim
+
+    @property
+    def init_method(self) -> str:
+        """How the tensor-parallel layers draw their weights: 'normal' (N(0, std)) or 'xavier_uniform'."""
+        return "xavier_uniform" if self.init_method_xavier_uniform else "normal"
 
     @property
     def tie_embeddings(self) -> bool:
@@ -183,11 +208,10 @@ class ModelConfig:
         """Expert count of every layer (1: dense)."""
         return self.moe.experts_per_layer(self.num_layers)
 
-    def stage_layer_counts(self, pp: int) -> list[int]:
+    def stage_layer_counts(self, pp: int, standalone_embedding: bool = False) -> list[int]:
         """Transformer layers of each pipeline stage under GPTModelPipe's default partition ('type:TransformerLayer'):
-        an even split, the remainder on the first stages."""
-        base, extra = divmod(self.num_layers, pp)
-        return [base + (1 if stage < extra else 0) for stage in range(pp)]
+        an even split, the remainder on the first stages (``standalone_embedding``: none on stage 0)."""
+        return split_layers(self.num_layers, pp, standalone_embedding)
 
     def num_parameters(self, tp_size: int = 1, active: bool = False) -> int:
         """Exact count of the full (unsharded) model's parameters, with the vocabulary padded for ``tp_size``.
@@ -231,6 +255,13 @@ class ModelConfig:
             )
         if self.openai_gelu and self.swiglu:
             raise ConfigError("--openai-gelu with --swiglu: SwiGLU's MLP has no GeLU; drop one of them")
+        if self.squared_relu and (self.swiglu or self.openai_gelu):
+            other = "--swiglu" if self.swiglu else "--openai-gelu"
+            raise ConfigError(f"--squared-relu with {other}: upstream silently runs {other[2:]} then (its order is "
+                              "openai-gelu, swiglu, squared-relu); drop one of them")
+        if self.apply_layernorm_1p and self.normalization != "layernorm":
+            raise ConfigError("--apply-layernorm-1p with --normalization rmsnorm: upstream ignores it for RMSNorm, "
+                              "Megatron-LM applies it; drop it or use --normalization layernorm")
         if self.normalization not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"--normalization {self.normalization!r}: choose 'layernorm' or 'rmsnorm'")
         if self.position_embedding_type not in ("learned_absolute", "rope"):

@@ -32,6 +32,9 @@ class ParallelConfig:
     moe_expert_parallel_size: int = 1
     """--moe-expert-parallel-size: each MoE layer's experts are split over this many consecutive ranks of the
     data-parallel group (megatron/topology.py parallel_groups: "ep", and "edp" for the experts' replicas)."""
+    standalone_embedding_stage: bool = False
+    """--standalone-embedding-stage: pipeline stage 0 holds the embedding alone and the transformer layers are split
+    over the other PP - 1 stages (Megatron's meaning; upstream's --deepspeed pipeline ignores the flag)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp == 1:
@@ -58,6 +61,10 @@ class ParallelConfig:
     def dp(self) -> int:
         """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
         return self.world_size // (self.tp * self.pp * self.ulysses)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers per pipeline stage (``split_layers``)."""
+        return split_layers(num_layers, self.pp, self.standalone_embedding_stage)
 
     def validate(self) -> None:
         """Raises ConfigError naming the flags; changes nothing."""
@@ -92,3 +99,12 @@ class ParallelConfig:
             raise ConfigError(f"--zero-hierarchy (hierarchical ZeRO-3) with --pipeline-model-parallel-size {self.pp}: "
                               "like ZeRO-3 it shards weights per data-parallel rank and cannot run under DeepSpeed's "
                               "pipeline engine; use --pipeline-model-parallel-size 1 --no-pipeline-parallel")
+
+
+def split_layers(num_layers: int, pp: int, standalone_embedding: bool = False) -> list[int]:
+    """Transformer layers of each of ``pp`` pipeline stages: an even split, the remainder on the first stages; with
+    ``standalone_embedding`` (and PP > 1) stage 0 gets none and the layers split over the other stages."""
+    if standalone_embedding and pp > 1:
+        return [0] + split_layers(num_layers, pp - 1)
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if stage < extra else 0) for stage in range(pp)]

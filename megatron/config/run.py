@@ -53,6 +53,9 @@ class RunConfig:
         self._validate_sequence_parallel()
         self._validate_moe()
         self.precision.validate()
+        if self.model.fp32_residual_connection and not (self.precision.bf16 or self.precision.fp16):
+            raise ConfigError("--fp32-residual-connection needs --bf16 or --fp16 (upstream asserts it too): an fp32 "
+                              "run's residual stream is fp32 already; drop the flag")
         if p.zero_hierarchy and self.precision.fp16:
             raise ConfigError("--zero-hierarchy with --fp16: this mode has no loss scaler; use --bf16 (advised on "
                               "MI250X)")
@@ -106,6 +109,10 @@ class RunConfig:
         p, experts, first = self.parallel, self.model.layer_experts(), 0
         if p.pp == 1 or self.model.num_layers < p.pp:  # too few layers: the partition says so in its own words
             return
+        if p.standalone_embedding_stage:
+            raise ConfigError(f"mixture of experts (--num-experts) with --standalone-embedding-stage and "
+                              f"--pipeline-model-parallel-size {p.pp}: the embedding-only stage 0 would hold no layer "
+                              "with experts, which DeepSpeed's engine needs on every stage; drop the flag")
         for stage, n in enumerate(self.model.stage_layer_counts(p.pp)):
             if all(e == 1 for e in experts[first:first + n]):
                 raise ConfigError(

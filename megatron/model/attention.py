@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         common = dict(tp=tp, bias=cfg.add_bias_linear, seed=init_seed, use_cpu_init=cfg.use_cpu_initialization,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, init_method=cfg.init_method)
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, init_std=cfg.init_method_std,
             init_key=f"layers.{layer_number}.attention.qkv", **common)

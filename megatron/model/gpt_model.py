@@ -43,7 +43,8 @@ class GPTModel(nn.Module):
         self.moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
         self._moe_loss: torch.Tensor | None = None
         self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
-                                    sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend)
+                                    sequence_parallel=self.sequence_parallel, backend=cfg.attention_backend,
+                                    one_plus=cfg.apply_layernorm_1p)
         self.output_layer = OutputLayer(cfg, self.padded_vocab_size, **common)
         self.segments = recompute_segments(cfg)
         self.checkpoint_options = checkpoint_options(cfg, self.sequence_parallel)
@@ -105,7 +106,8 @@ class OutputLayer(nn.Module):
         self.tp = tp
         self.linear = ColumnParallelLinear(
             cfg.hidden_size, padded_vocab_size, tp=tp, bias=False, init_std=cfg.init_method_std, seed=init_seed,
-            init_key="output_layer", use_cpu_init=cfg.use_cpu_initialization, sequence_parallel=sequence_parallel)
+            init_key="output_layer", use_cpu_init=cfg.use_cpu_initialization, sequence_parallel=sequence_parallel,
+            init_method=cfg.init_method)
         if cfg.tie_embeddings:
             del self.linear.weight  # the embedding owns the weight; forward receives it
             self.linear.weight = None

@@ -179,25 +179,33 @@ def spec_parameters(cfg: ModelConfig, tp: int, ep: int = 1) -> list[int]:
 
 
 def partition(cfg: ModelConfig, pp: int, method: str = "type:TransformerLayer", tp: int = 1,
-              ep: int = 1) -> list[int]:
+              ep: int = 1, standalone_embedding: bool = False) -> list[int]:
     """Stage boundaries over the spec list: stage i holds specs [parts[i], parts[i+1]).
 
     'type:TransformerLayer' splits the transformer layers evenly, the remainder going to the first stages
-    (the split megatron/perf/memory.py assumes); the embedding joins stage 0, norm and output the last.
+    (the split megatron/perf/memory.py assumes); the embedding joins stage 0 (``standalone_embedding``, PP > 1: it
+    is stage 0's only spec), norm and output the last.
     'parameters' balances the parameter count of one TP (and EP) rank; 'uniform' balances the number of specs.
     """
     n_specs = cfg.num_layers + 3
+    standalone = standalone_embedding and pp > 1
     if method.lower().startswith("type:") and method.split(":", 1)[1].lower() in ("transformerlayer", "transformer"):
-        if cfg.num_layers < pp:
+        stages = pp - 1 if standalone else pp
+        if cfg.num_layers < stages:
+            what = (f"the {stages} stages after the embedding's (--pipeline-model-parallel-size {pp}, "
+                    "--standalone-embedding-stage)") if standalone else f"--pipeline-model-parallel-size {pp} stages"
             raise ConfigError(
-                f"--num-layers {cfg.num_layers} cannot fill --pipeline-model-parallel-size {pp} stages: every stage "
-                f"needs a transformer layer; use --num-layers >= {pp} (a multiple of {pp} balances the stages)")
-        counts = cfg.stage_layer_counts(pp)
+                f"--num-layers {cfg.num_layers} cannot fill {what}: every stage needs a transformer layer; use "
+                f"--num-layers >= {stages} (a multiple of {stages} balances the stages)")
+        counts = cfg.stage_layer_counts(pp, standalone)
         parts = [0, 1 + counts[0]]
         for stage in range(1, pp):
             parts.append(parts[-1] + counts[stage])
         parts[-1] = n_specs  # norm + output join the last stage
         return parts
+    if standalone:
+        raise ConfigError(f"--standalone-embedding-stage with the {method!r} pipeline partition: it needs the "
+                          "'type:TransformerLayer' partition, which places the layers")
     if method == "parameters":
         parts = partition_balanced(spec_parameters(cfg, tp, ep), pp)
     elif method == "uniform":
@@ -226,7 +234,8 @@ class GPTModelPipe(PipelineModule):
     Built on every rank of the grid (it creates DeepSpeed's groups); each rank builds only its stage."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
-                 init_seed: int = 1234, partition_method: str = "type:TransformerLayer") -> None:
+                 init_seed: int = 1234, partition_method: str = "type:TransformerLayer",
+                 standalone_embedding_stage: bool = False) -> None:
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
         seq_par = sequence_parallel and tp.size > 1
@@ -241,13 +250,14 @@ class GPTModelPipe(PipelineModule):
         specs += [LayerSpec(TransformerLayerPipe, cfg, i, ulysses=pstate.ulysses, num_experts=n, ep=pstate.ep, **common)
                   for i, n in enumerate(cfg.layer_experts())]
         specs.append(LayerSpec(FinalNormPipe, cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, tp=tp,
-                               sequence_parallel=seq_par))
+                               sequence_parallel=seq_par, one_plus=cfg.apply_layernorm_1p))
         if cfg.tie_embeddings:
             specs.append(TiedLayerSpec("embed", EmbeddingPipe, cfg, padded, tied_head=True, forward_fn=tied_output,
                                        ulysses=pstate.ulysses, tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
-        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size, pstate.ep.size)
+        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size, pstate.ep.size,
+                                         standalone_embedding_stage)
         topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.ulysses_dp.size)
         check_topology(topo, pstate)
         loss = LMLoss(pstate, cfg.moe.moe_loss_coeff if cfg.moe.enabled else None)

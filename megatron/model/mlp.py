@@ -1,4 +1,4 @@
-"""Transformer MLP: GeLU or SwiGLU, column-parallel up-projection, row-parallel down-projection."""
+"""Transformer MLP: GeLU, SwiGLU or squared ReLU, column-parallel up-projection, row-parallel down-projection."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ class MLP(nn.Module):
         layer has its own)."""
         super().__init__()
         prefix = init_prefix or f"layers.{layer_number}.mlp"
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
         # "tanh": OpenAI GPT-2's approximation (HF gelu_new / gelu_pytorch_tanh), so imported weights match.
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         common = dict(tp=tp, bias=cfg.add_bias_linear, seed=init_seed, use_cpu_init=cfg.use_cpu_initialization,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, init_method=cfg.init_method)
         # SwiGLU's fc1 is [gate; up] stacked: stride 2 keeps each rank's gate and up rows aligned.
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         # fc1's bias leaves the matmul only when torch.compile can fuse it into the GeLU: in eager mode a
@@ -33,7 +33,8 @@ class MLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, init_std=cfg.init_method_std, stride=2 if cfg.swiglu else 1,
             init_key=f"{prefix}.fc1",
-            skip_bias_add=cfg.bias_gelu_fusion and cfg.torch_compile and not cfg.swiglu, **common)
+            skip_bias_add=cfg.bias_gelu_fusion and cfg.torch_compile and not (cfg.swiglu or cfg.squared_relu),
+            **common)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers) if cfg.apply_residual_scaling \
             else cfg.init_method_std
         self.dense_4h_to_h = RowParallelLinear(
@@ -47,6 +48,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.squared_relu:  # upstream's squared_relu: pow(relu(x), 2), fc1's bias already added
+            h = torch.pow(F.relu(h), 2)
         else:
             h = bias_gelu(h, fc1_bias, self.gelu_approximate)  # erf or tanh GeLU (--openai-gelu) alike
         return self.dense_4h_to_h(h)

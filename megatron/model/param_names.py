@@ -1,5 +1,6 @@
 """The one map of parameter names: ours (GPTModel's, the full state's), GPTModelPipe's, HF transformers' (GPT-2,
-Llama, GPT-NeoX, Mixtral, Qwen2-MoE) and upstream Megatron-DeepSpeed's (model files, pipeline layer files, experts).
+Llama, GPT-NeoX, Nemotron, Mixtral, Qwen2-MoE) and upstream Megatron-DeepSpeed's (model files, pipeline layer files,
+experts).
 
 Checkpoint readers, writers and converters (megatron/checkpointing/) take every name from here; the tensor
 arithmetic (transposes, fused-QKV order, TP splits) stays theirs. A layer's tensors are named by role (``qkv``,
@@ -201,7 +202,12 @@ HF_QWEN2_MOE = dataclasses.replace(
     expert={"gate": "gate_proj", "up": "up_proj", "fc2": "down_proj"})
 """Qwen2MoeForCausalLM: MoE layers' experts under mlp., plus the shared expert and its gate."""
 
-HF = {"gpt2": HF_GPT2, "llama": HF_LLAMA, "gpt_neox": HF_NEOX, "mixtral": HF_MIXTRAL, "qwen2_moe": HF_QWEN2_MOE}
+HF_NEMOTRON = dataclasses.replace(
+    HF_LLAMA, roles={**{k: v for k, v in HF_LLAMA.roles.items() if k not in ("gate", "up")}, "fc1": "mlp.up_proj"})
+"""NemotronForCausalLM: Llama's names, a plain MLP (up_proj, down_proj) and LayerNorms with biases."""
+
+HF = {"gpt2": HF_GPT2, "llama": HF_LLAMA, "gpt_neox": HF_NEOX, "mixtral": HF_MIXTRAL, "qwen2_moe": HF_QWEN2_MOE,
+      "nemotron": HF_NEMOTRON}
 """HF ``model_type`` -> its naming."""
 
 

@@ -1,5 +1,6 @@
 """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x)), on [s, b, h]; the MLP of an MoE layer is
-the mixture of experts (megatron/model/moe.py)."""
+the mixture of experts (megatron/model/moe.py). With --apply-residual-connection-post-layernorm the residual around
+each is the norm's output instead of x (upstream's ordering for original BERT); the layer stays pre-norm."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel and tp.size > 1
         norm = dict(kind=cfg.normalization, eps=cfg.layernorm_epsilon, tp=tp, sequence_parallel=sequence_parallel,
-                    backend=cfg.attention_backend)
+                    backend=cfg.attention_backend, one_plus=cfg.apply_layernorm_1p)
         self.input_layernorm = Norm(cfg.hidden_size, **norm)
         self.self_attention = SelfAttention(cfg, layer_number, tp=tp, sequence_parallel=sequence_parallel,
                                             init_seed=init_seed, ulysses=ulysses)
@@ -49,6 +50,12 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x: [s(/tp with SP), b, h] -> same shape. ``keys`` [s, b]: the tokens' random-draw keys (MoE layers)."""
-        x = self._bias_dropout_add(*self.self_attention(self.input_layernorm(x)), x)
+        y = self.input_layernorm(x)
+        x = self._bias_dropout_add(*self.self_attention(y), self._residual(x, y))
         y = self.post_attention_layernorm(x)
-        return self._bias_dropout_add(*(self.mlp(y, keys) if self.is_moe else self.mlp(y)), x)
+        return self._bias_dropout_add(*(self.mlp(y, keys) if self.is_moe else self.mlp(y)), self._residual(x, y))
+
+    def _residual(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """What attention's or the MLP's output is added to: the stream ``x``, or with a post-norm residual their
+        input norm's output, in the stream's dtype (fp32 with --fp32-residual-connection)."""
+        return normed.to(x.dtype) if self.cfg.apply_residual_connection_post_layernorm else x

@@ -59,7 +59,12 @@ from functools import lru_cache
 from megatron.config import ModelConfig
 from megatron.perf.hzero import hierarchical_zero_collectives
 from megatron.perf.layout import Layout
-from megatron.perf.memory import ZERO3_MAX_REUSE_DISTANCE, stage_parameter_kinds, zero3_kept_parameters
+from megatron.perf.memory import (
+    ZERO3_MAX_REUSE_DISTANCE,
+    residual_bytes,
+    stage_parameter_kinds,
+    zero3_kept_parameters,
+)
 from megatron.perf.moe_comm import moe_layer_collectives
 from megatron.topology import GCDS_PER_NODE, TIERS
 
@@ -250,8 +255,9 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
                 tp_ranks)
         else:
             add("tp", "all_reduce", "layers", m * (n_dense * (4 + replay) + n_moe * (2 + replay)), act, tp_ranks)
-        if stage == 0:
-            add("tp", "all_reduce", "embedding", m, act, tp_ranks)
+        if stage == 0:  # the lookup's partial sums, fp32 with --embedding-weights-in-fp32
+            lookup = s * b * h * 4 if model.embedding_weights_in_fp32 else act
+            add("tp", "all_reduce", "embedding", m, lookup, tp_ranks)
             if seq_par:
                 add("tp", "all_gather", "embedding", m, act, tp_ranks)
         if stage == layout.pp - 1:
@@ -277,7 +283,8 @@ def estimate_comm(model: ModelConfig, layout: Layout, stage: int = 0,
 
     stage_gcds = min(GCDS_PER_NODE, t * layout.shard_dp)
     if layout.pp > 1:
-        p2p = act / (t if layout.sequence_parallel else 1) / layout.ulysses
+        # the residual stream crosses stages (fp32 with --fp32-residual-connection)
+        p2p = s * b * h * residual_bytes(model, layout) / (t if layout.sequence_parallel else 1) / layout.ulysses
         if stage < layout.pp - 1:
             add("pp", "send", "activations", m, p2p, [me, _rank(layout, stage + 1)], stage_gcds)
         if stage > 0:

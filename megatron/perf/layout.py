@@ -108,16 +108,12 @@ class Layout(ParallelConfig):
                       or model.seq_length % (u * (self.tp if self.sequence_parallel else 1))):
             raise ConfigError(f"--ds-sequence-parallel-size {u} cannot split this model's heads per TP rank or its "
                               f"sequence length {model.seq_length}")
-        if self.pp > model.num_layers:
+        stages = self.pp - (1 if self.standalone_embedding_stage and self.pp > 1 else 0)
+        if stages > model.num_layers:
             raise ConfigError(
                 f"--pipeline-model-parallel-size {self.pp} exceeds --num-layers {model.num_layers}: "
                 "every stage needs at least one layer"
             )
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per pipeline stage; an uneven remainder goes to the first stages (the worst case for memory)."""
-        base, extra = divmod(num_layers, self.pp)
-        return [base + (1 if i < extra else 0) for i in range(self.pp)]
 
     def describe(self) -> str:
         extras = []

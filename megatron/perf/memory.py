@@ -17,6 +17,9 @@ Conventions (all numbers are bytes on one GCD):
   with SP; the ``5as^2b`` score term becomes ``4asb`` bytes (fp32 log-sum-exp) with flash attention and 0
   with selective recompute; full recompute stores only each layer's input (``2sbh``, /t with SP) plus one
   layer's full working set during its backward.
+* Upstream's variants: with --fp32-residual-connection the residual stream (the norms' inputs, full recompute's
+  checkpoints, the tensors between stages) counts 4 bytes; --embedding-weights-in-fp32 adds the lookup's transient
+  fp32 copy of the table on stage 0; --standalone-embedding-stage leaves stage 0 without layers.
 * Pipeline: with 1F1B, stage i holds min(pp - i, num_microbatches) micro-batches in flight, so the first
   stage (which also holds the embedding) is the worst for activations; the last stage holds the logits
   (the 16-bit output plus the fp32 softmax kept by the vocab-parallel cross entropy) and, with tied
@@ -121,9 +124,9 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
     f, nh = model.ffn_hidden_size, model.num_attention_heads
     a = layout.dtype_bytes
     mask = 1 if model.hidden_dropout > 0 else 0
-    # Outside the TP region: two norm inputs, the QKV and FC1 inputs, two dropout masks (10 sbh for GPT-2).
-    # Sequence parallelism shards all of them over TP.
-    outside = s * b * h * (4 * a + 2 * mask)
+    # Outside the TP region: two norm inputs, the QKV and FC1 inputs, two dropout masks (10 sbh for GPT-2); the norm
+    # inputs are the residual stream, fp32 with --fp32-residual-connection. Sequence parallelism shards them over TP.
+    outside = s * b * h * (2 * residual_bytes(model, layout) + 2 * a + 2 * mask)
     if layout.sequence_parallel:
         outside /= t
     # Inside the TP region, sharded over t: Q, K, V, the projection input, the MLP hidden (24 sbh for GPT-2).
@@ -140,6 +143,12 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
     # DeepSpeed-Ulysses: every saved tensor holds 1/SP of the sequence, or (inside attention: Q, K, V, the
     # scores) the whole sequence for 1/SP of the heads; both are 1/SP of the bytes.
     return (outside + inside + scores) / layout.ulysses
+
+
+def residual_bytes(model: ModelConfig, layout: Layout) -> int:
+    """Bytes per element of the residual stream: the layers' inputs, the checkpoints of full recompute and the tensors
+    sent between pipeline stages (4 with --fp32-residual-connection)."""
+    return 4 if model.fp32_residual_connection else layout.dtype_bytes
 
 
 def zero3_kept_parameters(stage_params: float, reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
@@ -186,17 +195,21 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     n_layers = layout.stage_layers(model.num_layers)[stage]
     per_layer = activation_bytes_per_layer(model, layout)
     if layout.recompute_granularity == "full":
-        checkpoint = s * b * h * a / (t if layout.sequence_parallel else 1) / layout.ulysses
+        checkpoint = s * b * h * residual_bytes(model, layout) / (t if layout.sequence_parallel else 1) / layout.ulysses
         terms["activations"] = n_layers * checkpoint * in_flight + per_layer
     else:
         terms["activations"] = n_layers * per_layer * in_flight
     seq_div = (t if layout.sequence_parallel else 1) * layout.ulysses
     if stage == 0 and model.hidden_dropout > 0:
         terms["embedding_activations"] = s * b * h * 1 / seq_div * in_flight  # embedding dropout mask
+    if stage == 0 and model.embedding_weights_in_fp32 and a < 4:
+        # The lookup's fp32 copy of this rank's table (its gradient in the backward is as large): transient.
+        terms["embedding_activations"] += 4 * model.word_embedding_parameters(t)
     if stage == layout.pp - 1:
         v = model.padded_vocab_size(t)
         # final-norm input and output-layer input, then logits: 16-bit output + fp32 softmax for the backward.
-        terms["logits"] = 2 * s * b * h * a / seq_div + s * b * (v / t) * (a + 4) / layout.ulysses
+        norm_in = residual_bytes(model, layout)
+        terms["logits"] = (norm_in + a) * s * b * h / seq_div + s * b * (v / t) * (a + 4) / layout.ulysses
     if z >= 1:
         # The optimizer step runs after the activations are freed, so its transient only counts above them.
         in_backward = sum(terms[k] for k in ("activations", "embedding_activations", "logits", "zero3_gathered"))
@@ -210,10 +223,12 @@ def estimate_memory(model: ModelConfig, layout: Layout, overhead_bytes: float = 
     """Peak memory of the worst GCD.
 
     Only the first and last stages can be the worst: every middle stage has no more layers (the remainder
-    goes to the first stages), fewer micro-batches in flight and no embedding than the first.
+    goes to the first stages), fewer micro-batches in flight and no embedding than the first. With a standalone
+    embedding stage the first stage of layers (stage 1) is a candidate too.
     """
     first = estimate_stage_memory(model, layout, 0, overhead_bytes, reduce_bucket_size)
     if layout.pp == 1:
         return first
-    last = estimate_stage_memory(model, layout, layout.pp - 1, overhead_bytes, reduce_bucket_size)
-    return first if first.total >= last.total else last
+    stages = {layout.pp - 1} | ({1} if layout.standalone_embedding_stage else set())
+    others = [estimate_stage_memory(model, layout, st, overhead_bytes, reduce_bucket_size) for st in sorted(stages)]
+    return max([first, *others], key=lambda e: e.total)

@@ -140,7 +140,9 @@ def _exposed_overlapped(comm: float, compute: float) -> float:
 def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = COMPUTE_EFFICIENCY) -> StepTime:
     peak = PEAK_FLOPS[layout.dtype]
     m, p = layout.num_microbatches, layout.pp
-    stages = sorted({0, p - 1} | ({_worst_middle_stage(layout)} - {None}))
+    # a standalone embedding stage leaves stage 0 without layers: the first stage of layers may be the slowest
+    first_layers = {1} if layout.standalone_embedding_stage and p > 1 else set()
+    stages = sorted({0, p - 1} | first_layers | ({_worst_middle_stage(layout)} - {None}))
     best: tuple[float, int, float, float, float] | None = None
     comms: dict[int, CommEstimate] = {}
     for stage in stages:

@@ -15,6 +15,7 @@ from megatron.model.gpt_model_pipe import partition, spec_parameters, stage_cont
 from megatron.model.mlp import MLP
 from megatron.model.moe import MoE
 from megatron.model.norms import Norm
+from megatron.model.transformer import TransformerLayer
 from megatron.perf.layout import Layout
 from megatron.perf.memory import GIB, estimate_stage_memory
 from megatron.topology import GCDS_PER_NODE, frontier_placement, group_reports
@@ -42,7 +43,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     """
     m, p = run.model, run.parallel
     layout = Layout.from_run(run)
-    parts = partition(m, p.pp, partition_method, p.tp, p.ep if m.moe.enabled else 1)
+    parts = partition(m, p.pp, partition_method, p.tp, p.ep if m.moe.enabled else 1, p.standalone_embedding_stage)
     per_spec = spec_parameters(m, p.tp, p.ep if m.moe.enabled else 1)
     tied_copy = per_spec[-1] if (m.tie_embeddings and p.pp > 1) else 0
     ulysses = f" x SP {p.ulysses} (DeepSpeed-Ulysses)" if p.ulysses > 1 else ""
@@ -78,10 +79,13 @@ def _of(model: nn.Module, kind: type) -> list:
 def model_features(model: nn.Module) -> str:
     """One line: what the built module computes (under PP, this rank's stage), read from its submodules rather than
     from the config that built them: norm, MLP activation, positions, attention heads, output layer, linear biases."""
-    parts = ["/".join(sorted({m.kind for m in _of(model, Norm)})) or "no norm"]
+    norms = _of(model, Norm)
+    # a standalone embedding stage (--standalone-embedding-stage) holds no norm, layer or linear bias
+    parts = ["/".join(sorted({m.kind + ("-1p" if m.one_plus else "") for m in norms}))] if norms else []
     mlps = _of(model, MLP)
     if mlps:
-        parts.append("swiglu MLP" if all(m.swiglu for m in mlps) else "gelu MLP")
+        parts.append("swiglu MLP" if all(m.swiglu for m in mlps) else
+                     "squared-relu MLP" if all(m.squared_relu for m in mlps) else "gelu MLP")
     attention = _of(model, SelfAttention)
     if attention:
         a = attention[0]
@@ -90,15 +94,24 @@ def model_features(model: nn.Module) -> str:
         heads, kv_heads = a.heads * a.tp.size, a.kv_heads * a.tp.size
         parts.append(f"{heads} query heads over {kv_heads} KV heads (GQA)" if kv_heads < heads
                      else f"{heads} heads (MHA)")
-    if any(e.position_embeddings is not None for e in _of(model, Embedding)):
+    embeddings = _of(model, Embedding)
+    if any(e.position_embeddings is not None for e in embeddings):
         parts.append("learned positions")
+    if any(e.word_embeddings.fp32_lookup for e in embeddings):
+        parts.append("fp32 embedding lookup")
+    layers = _of(model, TransformerLayer)
+    if any(m.cfg.apply_residual_connection_post_layernorm for m in layers):
+        parts.append("post-norm residuals")
+    if any(m.cfg.fp32_residual_connection for m in layers + embeddings):
+        parts.append("fp32 residual stream")
     outputs = _of(model, OutputLayer)
     if not outputs:
         parts.append("output layer on another stage")
     else:  # a tied output layer has no weight of its own: it projects with the word embeddings
         parts.append("tied output layer" if outputs[0].linear.weight is None else "untied output layer")
     linears = _of(model, ColumnParallelLinear) + _of(model, RowParallelLinear)
-    parts.append("linear biases" if any(m.bias is not None for m in linears) else "no linear biases")
+    if attention or mlps:
+        parts.append("linear biases" if any(m.bias is not None for m in linears) else "no linear biases")
     moe = _of(model, MoE)
     if moe:
         counts = "/".join(str(n) for n in sorted({m.num_experts for m in moe}))

@@ -17,8 +17,15 @@ VARIANTS = {
     "gpt2": dict(),
     "llama": dict(num_key_value_heads=2),  # debug-llama: RMSNorm, SwiGLU, rotary, untied, no bias; GQA 4/2
     "gpt_neox": dict(position_embedding_type="rope", rotary_percent=0.25),  # GPT-2 shape, partial rotary
+    # --apply-layernorm-1p and --squared-relu: Nemotron (rope, GQA), and GPT-2 (1 + weight stored, relu2)
+    "nemotron": dict(position_embedding_type="rope", rotary_percent=0.5, num_key_value_heads=2, apply_layernorm_1p=True,
+                     squared_relu=True),
+    "nemotron_plain_norms": dict(position_embedding_type="rope", rotary_percent=0.5, squared_relu=True),
+    "gpt2_1p_relu2": dict(apply_layernorm_1p=True, squared_relu=True),
 }
-HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}
+HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+            "nemotron": "NemotronForCausalLM", "nemotron_plain_norms": "NemotronForCausalLM",
+            "gpt2_1p_relu2": "GPT2LMHeadModel"}
 
 
 def _model(name: str) -> GPTModel:
@@ -40,7 +47,7 @@ def _full(model: GPTModel) -> dict:
     return full
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gpt_neox"])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_export_logits_and_round_trip(tmp_path, name):
     from dataclasses import asdict
 
@@ -83,3 +90,14 @@ def test_export_logits_and_round_trip(tmp_path, name):
         want = full[name_c]
         assert torch.equal(merged[: want.shape[0]], want), n
         assert torch.equal(shard_tensor(merged, 0, 1, 0), merged)
+
+
+def test_post_layernorm_residual_has_no_hf_export(tmp_path):
+    from dataclasses import asdict
+
+    from megatron.errors import ConfigError
+
+    model = _model("gpt2")
+    cfg = asdict(model.cfg.replace(apply_residual_connection_post_layernorm=True))
+    with pytest.raises(ConfigError, match="--apply-residual-connection-post-layernorm has no HF export"):
+        write_hf(str(tmp_path / "hf"), _full(model), cfg)

@@ -307,3 +307,59 @@ def test_qkv_rows_reordered_per_kv_group():
     # MHA with a [rows, hidden] weight: per head q, k, v.
     w = torch.tensor([0.0, 1, 10, 11, 20, 21]).repeat_interleave(2).view(6, 2)
     assert qkv_to_ours(w, 2, 2, 1)[:, 0].tolist() == [0, 10, 20, 1, 11, 21]
+
+
+def test_model_variants_read_from_upstreams_args():
+    """Upstream's variant flags become our fields, in upstream's activation order, 1p only on LayerNorm."""
+    from megatron.checkpointing.upstream.mapping import model_fields
+
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    fields = model_fields({**base, "squared_relu": True, "apply_layernorm_1p": True,
+                           "apply_residual_connection_post_layernorm": True})
+    assert (fields["squared_relu"], fields["apply_layernorm_1p"], fields["apply_residual_connection_post_layernorm"],
+            fields["openai_gelu"]) == (True, True, True, False)
+    assert not model_fields({**base, "squared_relu": True, "onnx_safe": True})["squared_relu"]  # erf GeLU wins
+    assert not model_fields({**base, "apply_layernorm_1p": True, "normalization": "RMSNorm"})["apply_layernorm_1p"]
+
+
+@pytest.mark.parametrize("layout,pipeline", [("pp2_zero1", True), ("universal_pp2", True), ("tp2_zero1", False)])
+def test_layernorm_1p_checkpoint_keeps_the_final_norms_meaning(monkeypatch, layout, pipeline):
+    """Upstream's GPTModelPipe builds its final norm without 1p: read from a pipeline checkpoint (or its universal
+    conversion) of a 1p run, its weight w is our 1p weight w - 1; its GPTModel's (no pipeline) is 1p like every other
+    norm, read as stored (the fixtures read as if their args had the flag)."""
+    from megatron.checkpointing import upstream
+    from megatron.checkpointing.upstream import reader, universal
+
+    path = os.path.join(FIX, layout)
+    plain = upstream.read(upstream.find(path, universal=layout.startswith("universal")), trust=True,
+                          with_optimizer=False)
+    for module in (reader, universal):
+        monkeypatch.setattr(module, "args_of", lambda s, p, f=module.args_of: {**f(s, p), "apply_layernorm_1p": True})
+    one_p = upstream.read(upstream.find(path, universal=layout.startswith("universal")), trust=True,
+                          with_optimizer=False)
+    assert one_p.model["apply_layernorm_1p"] and not plain.model["apply_layernorm_1p"]
+    for name, w in plain.weights.items():
+        want = w - 1 if name == "final_layernorm.weight" and pipeline else w
+        assert torch.equal(one_p.weights[name], want), name
+
+
+def test_standalone_embedding_stage_megatron_checkpoint_numbers_layers_from_stage_1(tmp_path):
+    """A plain Megatron pipeline checkpoint of a --standalone-embedding-stage run: stage 0 holds the embedding only,
+    stages 1.. number their layers from 0 (synthetic files, upstream's iter_N/mp_rank_00_00S layout)."""
+    from megatron.checkpointing import upstream
+
+    args = {"num_layers": 4, "hidden_size": 8, "num_attention_heads": 2, "padded_vocab_size": 16,
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 3, "standalone_embedding_stage": True,
+            "global_batch_size": 1}
+    norm = "input_layernorm.weight"
+    stages = [{"embedding": {"word_embeddings": {"weight": torch.zeros(16, 8)}}},
+              {"encoder": {f"layers.{i}.{norm}": torch.full((8,), 10.0 + i) for i in range(2)}},
+              {"encoder": {f"layers.{i}.{norm}": torch.full((8,), 20.0 + i) for i in range(2)}}]
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    for stage, lm in enumerate(stages):
+        d = tmp_path / "iter_0000001" / f"mp_rank_00_{stage:03d}"
+        d.mkdir(parents=True)
+        torch.save({"args": args, "iteration": 1, "model": {"language_model": lm}}, d / "model_optim_rng.pt")
+    conv = upstream.read(upstream.find(str(tmp_path)), trust=True)
+    got = {n: float(w[0]) for n, w in conv.weights.items() if n.endswith(norm)}
+    assert got == {f"layers.{i}.{norm}": v for i, v in enumerate([10.0, 11.0, 20.0, 21.0])}

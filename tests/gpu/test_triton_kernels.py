@@ -100,3 +100,37 @@ def test_seam_runs_triton_and_matches_torch():
         outs[backend] = [o.detach().double(), q_.grad.double(), k_.grad.double(), v_.grad.double()]
     for got, ref in zip(outs["triton"], outs["torch"], strict=True):
         assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "hip"])
+def test_seam_norm_variants_run_the_kernel(compiled, monkeypatch, backend):
+    """The model's Norm with --apply-layernorm-1p and an fp32 residual stream (--fp32-residual-connection: fp32 input,
+    bf16 weights) through the seam at a real width: the kernel runs it (no fallback) and equals torch's path."""
+    from megatron.kernels import norms as norm_ops
+    from megatron.kernels import select
+    from megatron.model.norms import Norm
+    from tests.unit.kernels.reference import rel_err
+
+    dev = torch.device(_device(), torch.cuda.current_device())
+    ok, why = select.available(backend, "norm", dev)
+    if not ok:
+        pytest.skip(f"{backend} norm not available here: {why}")
+    picked = []
+    run = norm_ops._run
+    monkeypatch.setattr(norm_ops, "_run", lambda b, *a, **k: (picked.append(b), run(b, *a, **k))[1])
+    g = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(2048, 2, 4096, generator=g).to(dev), torch.randn(2048, 2, 4096, generator=g).to(dev)
+    results = {}
+    for b in (backend, "torch"):
+        norm = Norm(4096, "layernorm", EPS, backend=b, one_plus=True)
+        with torch.no_grad():
+            norm.weight.copy_(0.1 * torch.randn(4096, generator=torch.Generator().manual_seed(1)))
+            norm.bias.copy_(0.1 * torch.randn(4096, generator=torch.Generator().manual_seed(2)))
+        norm = norm.to(dev, torch.bfloat16)
+        x_ = x.clone().requires_grad_()
+        y = norm(x_)
+        y.backward(dy.to(torch.bfloat16))
+        results[b] = [t.detach().double() for t in (y, x_.grad, norm.weight.grad, norm.bias.grad)]
+    assert picked == [backend, "torch"]
+    for got, ref in zip(results[backend], results["torch"], strict=True):
+        assert rel_err(got, ref) <= 2e-2

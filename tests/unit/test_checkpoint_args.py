@@ -92,6 +92,19 @@ def test_given_flags_must_agree_all_named_in_one_line(ours):
         _configure(["--load", str(ours), "--use-checkpoint-args", "--disable-bias-linear"], world=1)
 
 
+def test_variants_that_change_the_arithmetic_are_taken(tmp_path):
+    """The 1p norm, squared ReLU and post-LN residual come from the checkpoint as its shape does (upstream forces
+    apply_layernorm_1p); one given against it is named."""
+    variant = dataclasses.replace(SAVED, normalization="layernorm", swiglu=False, apply_layernorm_1p=True,
+                                  squared_relu=True, apply_residual_connection_post_layernorm=True)
+    _ours(tmp_path, "global_step3", variant)
+    (tmp_path / "latest").write_text("global_step3")
+    m = _configure(["--load", str(tmp_path), "--use-checkpoint-args"], world=1).model
+    assert (m.apply_layernorm_1p, m.squared_relu, m.apply_residual_connection_post_layernorm) == (True, True, True)
+    with pytest.raises(ConfigError, match="--use-checkpoint-args: --swiglu given, the checkpoint was trained without"):
+        _configure(["--load", str(tmp_path), "--use-checkpoint-args", "--swiglu"], world=1)
+
+
 def test_refusals(ours, tmp_path_factory):
     with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load DIR"):
         _configure(["--use-checkpoint-args"])

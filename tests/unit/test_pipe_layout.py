@@ -55,6 +55,29 @@ def test_too_few_layers_is_refused_with_the_counts_that_work():
         partition(named_model("debug", num_layers=3), 4)
 
 
+def test_standalone_embedding_stage_holds_the_embedding_alone():
+    """--standalone-embedding-stage: stage 0 is the embedding, the layers split over the other stages (the remainder
+    first); the memory and step-time models count the same split; other partitions refuse it; PP=1 ignores it."""
+    from megatron.perf.layout import Layout
+    from megatron.perf.memory import estimate_memory, estimate_stage_memory
+
+    cfg = named_model("debug", num_layers=5)
+    parts = partition(cfg, 3, standalone_embedding=True)
+    assert parts == [0, 1, 4, 8]
+    assert stage_contents(cfg, parts) == ["embedding", "layers 0-2", "layers 3-4, norm, output (tied)"]
+    assert cfg.stage_layer_counts(3, True) == [0, 3, 2] and partition(cfg, 1, standalone_embedding=True) == [0, 8]
+    with pytest.raises(ConfigError, match="--num-layers 1 cannot fill the 2 stages after the embedding's"):
+        partition(named_model("debug", num_layers=1), 3, standalone_embedding=True)
+    with pytest.raises(ConfigError, match="--standalone-embedding-stage with the 'uniform' pipeline partition"):
+        partition(cfg, 3, "uniform", standalone_embedding=True)
+    layout = Layout.of(pp=3, standalone_embedding_stage=True, global_batch_size=8)
+    assert layout.stage_layers(5) == [0, 3, 2]
+    first_layers = estimate_stage_memory(cfg, layout, 1)
+    assert estimate_stage_memory(cfg, layout, 0).terms["activations"] == 0
+    assert estimate_memory(cfg, layout).total == max(first_layers.total,
+                                                     estimate_stage_memory(cfg, layout, 2).total)
+
+
 def test_parameter_partition_balances_and_keeps_every_stage():
     cfg = named_model("gpt2-small", num_layers=12)
     parts = partition(cfg, 4, "parameters")
@@ -118,6 +141,16 @@ def test_no_pipeline_parallel_with_pp_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="--no-pipeline-parallel with --pipeline-model-parallel-size 2"):
         pretrain_from_flags(argv, Providers(None, None, None, lambda data: SimpleNamespace(vocab_size=100, eod=None)))
 
+
+
+@pytest.mark.parametrize("size,overrides,want", [
+    ("debug", {"apply_layernorm_1p": True, "squared_relu": True, "apply_residual_connection_post_layernorm": True,
+               "fp32_residual_connection": True, "embedding_weights_in_fp32": True},
+     "layernorm-1p, squared-relu MLP, 4 heads (MHA), learned positions, fp32 embedding lookup, post-norm residuals, "
+     "fp32 residual stream, tied output layer, linear biases")])
+def test_model_features_line_names_upstreams_variants(size, overrides, want):
+    model = GPTModel(named_model(size, use_cpu_initialization=True, **overrides), tp=single_process_state().tp)
+    assert model_features(model) == "> model features: " + want
 
 
 @pytest.mark.parametrize("size,overrides,want", [

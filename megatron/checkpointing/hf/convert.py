@@ -16,8 +16,9 @@ from megatron.checkpointing.full_state.files import (
     save_full_state,
 )
 from megatron.checkpointing.full_state.merge import merge_checkpoint, merge_moments
-from megatron.checkpointing.hf.dense import from_hf, special_token_ids, to_hf
+from megatron.checkpointing.hf.dense import NEMOTRON, from_hf, special_token_ids, to_hf, variant
 from megatron.checkpointing.hf.moe import MIXTRAL, QWEN2_MOE, has_experts, moe_from_hf, moe_to_hf
+from megatron.checkpointing.hf.nemotron import nemotron_from_hf, nemotron_to_hf
 from megatron.checkpointing.live import integrity
 from megatron.checkpointing.live.markers import META, read_latest, read_meta
 from megatron.checkpointing.live.verify import require_whole
@@ -73,7 +74,10 @@ def read_moments(path: str, tag: str | None = None) -> tuple[dict | None, int, s
 def write_hf(out_dir: str, full: dict[str, torch.Tensor], model: dict, special_tokens: dict | None = None) -> dict:
     """safetensors + config.json that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads;
     ``special_tokens`` ({bos,eos}_token_id) go into config.json (transformers warns without them)."""
-    hf, config = moe_to_hf(full, model) if has_experts(model) else to_hf(full, model)
+    if has_experts(model):
+        hf, config = moe_to_hf(full, model)
+    else:
+        hf, config = nemotron_to_hf(full, model) if variant(model) == NEMOTRON else to_hf(full, model)
     config.update(special_tokens or {})
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")
@@ -111,7 +115,9 @@ def read_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 def hf_to_full_state(hf_dir: str, out_dir: str) -> dict:
     hf, config = read_hf(hf_dir)
-    full, model = moe_from_hf(hf, config) if config.get("model_type") in (MIXTRAL, QWEN2_MOE) else from_hf(hf, config)
+    mt = config.get("model_type")
+    convert = moe_from_hf if mt in (MIXTRAL, QWEN2_MOE) else nemotron_from_hf if mt == NEMOTRON else from_hf
+    full, model = convert(hf, config)
     write_full_state(out_dir, full, model, {"iteration": 0, "consumed_samples": 0, "lr_num_steps": 0}, hf_dir,
                      special_tokens=special_token_ids(config))
     return model

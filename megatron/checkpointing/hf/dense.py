@@ -24,13 +24,20 @@ import torch
 from megatron.errors import ConfigError
 from megatron.model.param_names import HF_GPT2, HF_LLAMA, HF_NEOX, HF_NEOX_HEADS, OURS, Naming
 
-GPT2, LLAMA, NEOX = "gpt2", "llama", "gpt_neox"
-# HF GPT-2 activation_function -> our openai_gelu (tanh approximation); anything else is refused.
+GPT2, LLAMA, NEOX, NEMOTRON = "gpt2", "llama", "gpt_neox", "nemotron"
+# HF GPT-2 activation_function -> our openai_gelu (tanh approximation); relu2 is --squared-relu; others are refused.
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+SQUARED_RELU = "relu2"
 
 
 def variant(model: dict) -> str:
-    """Which HF class a model config maps to, or a ConfigError naming the mismatching fields."""
+    """Which HF class a model config maps to, or a ConfigError naming the mismatching fields. A rope + layernorm +
+    plain-MLP model with --apply-layernorm-1p or --squared-relu is Nemotron's (megatron/checkpointing/hf/nemotron.py);
+    GPT-2 takes both variants too (1 + weight stored, relu2)."""
+    if model.get("apply_residual_connection_post_layernorm"):
+        raise ConfigError("--apply-residual-connection-post-layernorm has no HF export: the only HF class that adds "
+                          "the norm's output as the residual is BLOOM, whose ALiBi positions and embedding norm this "
+                          "model lacks")
     gpt2 = (model["normalization"] == "layernorm" and not model["swiglu"]
             and model["position_embedding_type"] == "learned_absolute")
     llama = model["normalization"] == "rmsnorm" and model["swiglu"] and model["position_embedding_type"] == "rope"
@@ -39,6 +46,9 @@ def variant(model: dict) -> str:
     partial = model.get("rotary_percent", 1.0) < 1.0
     if llama and not partial:
         return LLAMA
+    if (model["normalization"] == "layernorm" and not model["swiglu"] and model["position_embedding_type"] == "rope"
+            and (model.get("apply_layernorm_1p") or model.get("squared_relu"))):
+        return NEMOTRON
     neox = (model["normalization"] == "layernorm" and not model["swiglu"] and model["position_embedding_type"] == "rope"
             and model["num_key_value_heads"] == model["num_attention_heads"] and model["add_bias_linear"])
     if neox:
@@ -53,7 +63,7 @@ def variant(model: dict) -> str:
                       f"kv heads {model['num_key_value_heads']}/{model['num_attention_heads']})")
 
 
-def _split_qkv(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our grouped [nkv, g+2, d, ...] QKV rows -> q [nq*d, ...], k [nkv*d, ...], v [nkv*d, ...]."""
     nq, nkv = m["num_attention_heads"], m["num_key_value_heads"]
     d, g = m["hidden_size"] // nq, nq // nkv
@@ -62,7 +72,7 @@ def _split_qkv(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, to
             x[:, g + 1].reshape(nkv * d, *w.shape[1:]))
 
 
-def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> torch.Tensor:
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> torch.Tensor:
     nq, nkv = m["num_attention_heads"], m["num_key_value_heads"]
     d, g = m["hidden_size"] // nq, nq // nkv
     rest = q.shape[1:]
@@ -77,7 +87,7 @@ def llama_attention_to_hf(full: dict[str, torch.Tensor], i: int, m: dict,
     src, dst = OURS.in_layer(i), theirs.in_layer(i)
     out = {dst("input_norm"): full[src("input_norm")], dst("post_norm"): full[src("post_norm")],
            dst("attn_out"): full[src("attn_out")]}
-    for role, t in zip(("q", "k", "v"), _split_qkv(full[src("qkv")], m), strict=True):
+    for role, t in zip(("q", "k", "v"), split_qkv(full[src("qkv")], m), strict=True):
         out[dst(role)] = t
     return out
 
@@ -88,7 +98,7 @@ def llama_attention_from_hf(hf: dict[str, torch.Tensor], i: int, m: dict,
     Qwen2-MoE) under our names; q/k/v joined into our per-group QKV."""
     src, dst = theirs.in_layer(i), OURS.in_layer(i)
     return {dst("input_norm"): hf[src("input_norm")], dst("post_norm"): hf[src("post_norm")],
-            dst("qkv"): _join_qkv(hf[src("q")], hf[src("k")], hf[src("v")], m),
+            dst("qkv"): join_qkv(hf[src("q")], hf[src("k")], hf[src("v")], m),
             dst("attn_out"): hf[src("attn_out")]}
 
 
@@ -110,9 +120,11 @@ def swiglu_mlp_to_hf(full: dict[str, torch.Tensor], i: int, m: dict,
 def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(HF state dict, HF config.json dict) for our full state ``full`` with model config ``m``."""
     kind = variant(m)
+    assert kind != NEMOTRON, "hf/convert.py routes Nemotron's models to hf/nemotron.py"
     out: dict[str, torch.Tensor] = {}
     h, nl = m["hidden_size"], m["num_layers"]
     tied = not m["untie_embeddings_and_output_weights"]
+    full = one_plus_to_plain(full, m)
     if kind == NEOX:
         return _neox_to_hf(full, m)
     if kind == GPT2:
@@ -126,9 +138,9 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
                 out[dst(role)] = full[src(role)]
                 out[dst(role, "bias")] = full[src(role, "bias")]
             qkv = full[src("qkv")]
-            out[dst("qkv")] = torch.cat(_split_qkv(qkv, m)).t()  # Conv1D: [in, out]
+            out[dst("qkv")] = torch.cat(split_qkv(qkv, m)).t()  # Conv1D: [in, out]
             qkv_b = full.get(src("qkv", "bias")) if bias else None
-            out[dst("qkv", "bias")] = torch.cat(_split_qkv(qkv_b, m)) if bias else qkv.new_zeros(3 * h)
+            out[dst("qkv", "bias")] = torch.cat(split_qkv(qkv_b, m)) if bias else qkv.new_zeros(3 * h)
             out[dst("attn_out")] = full[src("attn_out")].t()
             out[dst("attn_out", "bias")] = full[src("attn_out", "bias")] if bias else qkv.new_zeros(h)
             fc1 = full[src("fc1")]
@@ -143,7 +155,7 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
         config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
                   "n_positions": m["max_position_embeddings"], "n_embd": h, "n_layer": nl,
                   "n_head": m["num_attention_heads"], "n_inner": m["ffn_hidden_size"],
-                  "activation_function": "gelu_new" if m.get("openai_gelu") else "gelu",
+                  "activation_function": _activation(m, "gelu_new"),
                   "layer_norm_epsilon": m["layernorm_epsilon"], "resid_pdrop": m.get("hidden_dropout", 0.1),
                   "embd_pdrop": m.get("hidden_dropout", 0.1), "attn_pdrop": m.get("attention_dropout", 0.1),
                   "initializer_range": m.get("init_method_std", 0.02), "tie_word_embeddings": tied,
@@ -156,7 +168,7 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
         src, dst = OURS.in_layer(i), HF_LLAMA.in_layer(i)
         out.update(llama_attention_to_hf(full, i, m))
         if bias:
-            for role, t in zip(("q", "k", "v"), _split_qkv(full[src("qkv", "bias")], m), strict=True):
+            for role, t in zip(("q", "k", "v"), split_qkv(full[src("qkv", "bias")], m), strict=True):
                 out[dst(role, "bias")] = t
             out[dst("attn_out", "bias")] = full[src("attn_out", "bias")]
             out[dst("gate", "bias")], out[dst("up", "bias")] = full[src("fc1", "bias")].split(f)
@@ -173,6 +185,31 @@ def to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch.Tenso
               "attention_dropout": m.get("attention_dropout", 0.1), "initializer_range": m.get("init_method_std", 0.02),
               "tie_word_embeddings": tied, "torch_dtype": "float32"}
     return {k: v.contiguous() for k, v in out.items()}, config
+
+
+def _activation(m: dict, tanh: str) -> str:
+    """HF's name of the MLP's activation: relu2 (--squared-relu), ``tanh`` (--openai-gelu) or the exact gelu."""
+    return SQUARED_RELU if m.get("squared_relu") else tanh if m.get("openai_gelu") else "gelu"
+
+
+def _activation_from_hf(act: str, model: str) -> dict:
+    """Our activation fields of an HF activation name (GPT-2's activation_function, GPT-NeoX's hidden_act)."""
+    if act == SQUARED_RELU:
+        return {"squared_relu": True, "openai_gelu": False}
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError(f"HF {model} activation {act!r}: only {', '.join(GPT2_ACTIVATIONS)} and {SQUARED_RELU} map "
+                          "to this trainer's MLP (exact GeLU, --openai-gelu for the tanh approximation, "
+                          "--squared-relu)")
+    return {"squared_relu": False, "openai_gelu": GPT2_ACTIVATIONS[act]}
+
+
+def one_plus_to_plain(full: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
+    """The norm weights of a --apply-layernorm-1p model as a plain LayerNorm's (1 + weight), for HF classes without
+    the 1p form (GPT-2, GPT-NeoX); other models unchanged."""
+    if not m.get("apply_layernorm_1p"):
+        return full
+    norms = [OURS.final()] + [OURS.at(i, r) for i in range(m["num_layers"]) for r in ("input_norm", "post_norm")]
+    return {**full, **{n: full[n] + 1 for n in norms}}
 
 
 def _neox_names(nl: int) -> list[tuple[str, str]]:
@@ -192,7 +229,7 @@ def _neox_to_hf(full: dict[str, torch.Tensor], m: dict) -> tuple[dict[str, torch
     config = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m["vocab_size"],
               "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
               "num_hidden_layers": m["num_layers"], "num_attention_heads": m["num_attention_heads"],
-              "hidden_act": "gelu_new" if m.get("openai_gelu") else "gelu",
+              "hidden_act": _activation(m, "gelu_new"),
               "max_position_embeddings": m["max_position_embeddings"], "layer_norm_eps": m["layernorm_epsilon"],
               "use_parallel_residual": False, "attention_bias": True, "rotary_pct": pct, "rotary_emb_base": base,
               "rope_parameters": {"rope_type": "default", "rope_theta": base, "partial_rotary_factor": pct},
@@ -209,9 +246,7 @@ def _neox_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, 
     if not config.get("attention_bias", True):
         raise ConfigError("HF GPT-NeoX with attention_bias=false: its MLP keeps biases, and our "
                           "--disable-bias-linear covers both")
-    act = config.get("hidden_act", "gelu")
-    if act not in GPT2_ACTIVATIONS:
-        raise ConfigError(f"HF GPT-NeoX hidden_act={act!r}: only gelu (exact) and the tanh GELUs convert")
+    activation = _activation_from_hf(config.get("hidden_act", "gelu"), "GPT-NeoX")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"HF GPT-NeoX rope_type={rope['rope_type']!r}: not supported by our rotary embedding")
@@ -220,8 +255,9 @@ def _neox_from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, 
     m = {"num_layers": nl, "hidden_size": config["hidden_size"], "num_attention_heads": config["num_attention_heads"],
          "num_key_value_heads": config["num_attention_heads"], "ffn_hidden_size": config["intermediate_size"],
          "seq_length": config["max_position_embeddings"], "max_position_embeddings": config["max_position_embeddings"],
-         "vocab_size": config["vocab_size"], "normalization": "layernorm", "swiglu": False,
-         "openai_gelu": GPT2_ACTIVATIONS[act], "position_embedding_type": "rope",
+         "vocab_size": config["vocab_size"], "normalization": "layernorm", "apply_layernorm_1p": False,
+         "swiglu": False, **activation,
+         "position_embedding_type": "rope",
          "rotary_base": float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
          "rotary_percent": float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
          "layernorm_epsilon": config.get("layer_norm_eps", 1e-5), "add_bias_linear": True,
@@ -241,19 +277,18 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
         return _neox_from_hf(hf, config)
     if mt == "gpt2":
         h, nl, nh = config["n_embd"], config["n_layer"], config["n_head"]
-        act = config.get("activation_function", "gelu_new")  # transformers' GPT2Config default
-        if act not in GPT2_ACTIVATIONS:
-            raise ConfigError(f"HF GPT-2 activation_function={act!r}: only {', '.join(GPT2_ACTIVATIONS)} map to "
-                              "this trainer's MLP (exact GeLU, or --openai-gelu for the tanh approximation)")
+        activation = _activation_from_hf(config.get("activation_function", "gelu_new"),  # GPT2Config's default
+                                         "GPT-2")
         if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
             raise ConfigError("HF GPT-2 with scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true: our "
                               "attention scales by 1/sqrt(head dim) only; such a model would not match")
         m = {"num_layers": nl, "hidden_size": h, "num_attention_heads": nh, "num_key_value_heads": nh,
              "ffn_hidden_size": config.get("n_inner") or 4 * h, "seq_length": config["n_positions"],
              "max_position_embeddings": config["n_positions"], "vocab_size": config["vocab_size"],
-             "normalization": "layernorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+             "normalization": "layernorm", "apply_layernorm_1p": False, "swiglu": False,
+             "position_embedding_type": "learned_absolute",
              "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5), "add_bias_linear": True,
-             "openai_gelu": GPT2_ACTIVATIONS[act], "hidden_dropout": config.get("resid_pdrop", 0.1),
+             **activation, "hidden_dropout": config.get("resid_pdrop", 0.1),
              "attention_dropout": config.get("attn_pdrop", 0.1),
              "init_method_std": config.get("initializer_range", 0.02),
              "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True)}
@@ -265,8 +300,8 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
             for role in ("input_norm", "post_norm"):
                 full[dst(role)] = hf[src(role)]
                 full[dst(role, "bias")] = hf[src(role, "bias")]
-            full[dst("qkv")] = _join_qkv(*hf[src("qkv")].t().split(h), m)  # Conv1D: [in, out]
-            full[dst("qkv", "bias")] = _join_qkv(*hf[src("qkv", "bias")].split(h), m)
+            full[dst("qkv")] = join_qkv(*hf[src("qkv")].t().split(h), m)  # Conv1D: [in, out]
+            full[dst("qkv", "bias")] = join_qkv(*hf[src("qkv", "bias")].split(h), m)
             for role in ("attn_out", "fc1", "fc2"):
                 full[dst(role)] = hf[src(role)].t()
                 full[dst(role, "bias")] = hf[src(role, "bias")]
@@ -299,15 +334,15 @@ def from_hf(hf: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.
             full.update(llama_attention_from_hf(hf, i, m))
             full.update(swiglu_mlp_from_hf(hf, i))
             if bias:
-                full[dst("qkv", "bias")] = _join_qkv(hf[src("q", "bias")], hf[src("k", "bias")], hf[src("v", "bias")],
+                full[dst("qkv", "bias")] = join_qkv(hf[src("q", "bias")], hf[src("k", "bias")], hf[src("v", "bias")],
                                                      m)
                 full[dst("attn_out", "bias")] = hf[src("attn_out", "bias")]
                 full[dst("fc1", "bias")] = torch.cat([hf[src("gate", "bias")], hf[src("up", "bias")]])
                 full[dst("fc2", "bias")] = hf[src("fc2", "bias")]
         head = HF_LLAMA.head
     else:
-        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama', 'gpt_neox', 'mixtral' and 'qwen2_moe' convert "
-                          "to this trainer's GPT")
+        raise ConfigError(f"HF model_type {mt!r}: only 'gpt2', 'llama', 'gpt_neox', 'nemotron', 'mixtral' and "
+                          "'qwen2_moe' convert to this trainer's GPT")
     if m["untie_embeddings_and_output_weights"]:
         full[OURS.head] = hf[head]
     return {k: v.contiguous() for k, v in full.items()}, m
@@ -331,6 +366,8 @@ def matching_flags(m: dict) -> list[str]:
         if m.get("rotary_percent", 1.0) != 1.0:
             flags += ["--rotary-percent", float(m["rotary_percent"])]
     for key, flag, on in (("swiglu", "--swiglu", True), ("openai_gelu", "--openai-gelu", True),
+                          ("squared_relu", "--squared-relu", True),
+                          ("apply_layernorm_1p", "--apply-layernorm-1p", True),
                           ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
                           ("add_bias_linear", "--disable-bias-linear", False)):
         if bool(m.get(key, not on)) == on:

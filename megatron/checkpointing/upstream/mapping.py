@@ -16,7 +16,7 @@ from megatron.checkpointing.full_state.merge import merge_tp
 from megatron.checkpointing.live.safe_io import safe_load
 from megatron.checkpointing.upstream.layout import LAYER_FILE
 from megatron.errors import CheckpointError
-from megatron.model.param_names import expert_index, is_fused_qkv, pipe_roles_from_keys, tp_split
+from megatron.model.param_names import OURS, expert_index, is_fused_qkv, pipe_roles_from_keys, tp_split
 
 
 def pipe_roles(files: list[str]) -> dict[int, str]:
@@ -30,8 +30,7 @@ def pipe_roles(files: list[str]) -> dict[int, str]:
 
 
 # Upstream variants this trainer does not implement: resuming them here would silently compute something else.
-_UNSUPPORTED = {"squared_relu": "--squared-relu", "apply_residual_connection_post_layernorm":
-                "--apply-residual-connection-post-layernorm", "rotary_percent": "--rotary-percent below 1",
+_UNSUPPORTED = {"rotary_percent": "--rotary-percent below 1",
                 "num_experts_switch": "--num-experts-switch (Megatron-LM's switch MLP)"}
 
 
@@ -55,8 +54,24 @@ def model_fields(a: dict) -> dict:
         "learned_absolute", "untie_embeddings_and_output_weights": bool(a.get("untie_embeddings_and_output_weights")),
         "add_bias_linear": bool(a.get("add_bias_linear", True)),
         "layernorm_epsilon": float(a.get("layernorm_epsilon", 1e-5)),
+        # upstream's activation order: openai-gelu, onnx-safe (erf GeLU), swiglu, then squared-relu
+        "squared_relu": bool(a.get("squared_relu")) and not (a.get("openai_gelu") or a.get("onnx_safe")
+                                                             or a.get("swiglu")),
+        # its RMSNorm ignores the flag (CUDA LayerNorms only: a CPU-trained upstream run ignored it altogether)
+        "apply_layernorm_1p": bool(a.get("apply_layernorm_1p")) and a.get("normalization", "layernorm").lower()
+        == "layernorm",
+        "apply_residual_connection_post_layernorm": bool(a.get("apply_residual_connection_post_layernorm")),
         "moe": moe_fields(a),
     }
+
+
+def pipe_final_norm_to_ours(weights: dict[str, torch.Tensor], fields: dict) -> dict[str, torch.Tensor]:
+    """Upstream's GPTModelPipe builds its final LayerNorm without --apply-layernorm-1p (gpt_model.py at the pinned
+    commit), ours is 1p like every other norm: a pipeline checkpoint's final weight w means our w - 1."""
+    name = OURS.final()
+    if fields.get("apply_layernorm_1p") and name in weights:
+        weights[name] = weights[name] - 1
+    return weights
 
 
 def moe_fields(a: dict) -> dict:

@@ -21,8 +21,15 @@ from megatron.checkpointing.upstream.layout import (
     find_marked,
 )
 from megatron.checkpointing.upstream.moments import zero0_moments, zero12_moments
-from megatron.checkpointing.upstream.mapping import flatten, merge_ranks, model_fields, pipe_roles
+from megatron.checkpointing.upstream.mapping import (
+    flatten,
+    merge_ranks,
+    model_fields,
+    pipe_final_norm_to_ours,
+    pipe_roles,
+)
 from megatron.checkpointing.upstream.unpickle import args_of, load_file
+from megatron.config.parallel import split_layers
 from megatron.errors import CheckpointError
 from megatron.model.param_names import experts_per_layer, from_upstream, from_upstream_pipe, pipe_roles_from_keys
 
@@ -112,6 +119,8 @@ def _read_deepspeed(found: Found, trust: bool, with_optimizer: bool) -> Converte
             if n is not None and torch.is_tensor(v):
                 per_tp[mp % tp][n] = v
     weights = merge_ranks(per_tp, fields)
+    if roles:  # the pipeline engine's checkpoint: its final norm is never 1p
+        weights = pipe_final_norm_to_ours(weights, fields)
     sched = first.get("lr_scheduler") or {}
     gbs = int(a["global_batch_size"])
     out = Converted(
@@ -169,7 +178,9 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
     if len(ranks) != tp * pp:
         raise CheckpointError(f"{found.path} has {len(ranks)} mp_rank directories for TP {tp} x PP {pp}: incomplete")
     fields = model_fields(a)
-    per_stage_layers = fields["num_layers"] // pp
+    # Megatron's own pipeline numbers each stage's layers from 0; --standalone-embedding-stage leaves stage 0 none
+    first_layer = [0, *split_layers(fields["num_layers"], pp, bool(a.get("standalone_embedding_stage")))]
+    first_layer = [sum(first_layer[:stage + 1]) for stage in range(pp)]
     per_tp: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for (t, stage), state in states.items():
         model = state.get("model") or state.get("model0")
@@ -177,7 +188,7 @@ def _read_megatron(found: Found, trust: bool) -> Converted:
             raise CheckpointError(f"checkpoint file {ranks[(t, stage)]} holds no 'model' (a virtual-pipeline "
                                   "checkpoint? convert it with the same --virtual-pipeline layout first)")
         for k, v in flatten(model).items():
-            if (n := from_upstream(k, stage * per_stage_layers)) is not None and torch.is_tensor(v):
+            if (n := from_upstream(k, first_layer[stage])) is not None and torch.is_tensor(v):
                 per_tp[t][n] = v
     weights = merge_ranks(per_tp, fields)
     first = states[min(ranks)]

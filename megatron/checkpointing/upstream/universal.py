@@ -21,7 +21,7 @@ import torch
 
 from megatron.checkpointing.live.safe_io import safe_load
 from megatron.checkpointing.upstream.layout import MP_FILE, Converted, Found, is_ds_dir, read_marker
-from megatron.checkpointing.upstream.mapping import merge_ranks, model_fields
+from megatron.checkpointing.upstream.mapping import merge_ranks, model_fields, pipe_final_norm_to_ours
 from megatron.checkpointing.upstream.unpickle import args_of, load_file
 from megatron.errors import CheckpointError
 from megatron.model.param_names import from_upstream, from_upstream_pipe, is_pipeline_name, pipe_roles_from_keys
@@ -104,6 +104,8 @@ def read(found: Found, trust: bool, with_optimizer: bool) -> Converted:
         if with_optimizer and os.path.isfile(os.path.join(zero, n, "step.pt")):
             step = int(torch.as_tensor(safe_load(os.path.join(zero, n, "step.pt"))).item())
     weights = merge_ranks(per_state["fp32"], fields)
+    if pipeline:  # converted from the pipeline engine's checkpoint: its final norm is never 1p
+        weights = pipe_final_norm_to_ours(weights, fields)
     moments = None
     if with_optimizer and note.startswith("Adam moments loaded"):
         moments = {}

@@ -2,7 +2,9 @@
 its pipeline, so upstream resumes it: ``latest``, ``latest_checkpointed_iteration.txt`` and ``global_stepN/`` with
 ``mp_rank_XX_model_states.pt`` (``module`` nested as upstream's ``state_dict_for_save_checkpoint``, its ``args``,
 iteration and DeepSpeed's fields) and, with experts, DeepSpeed's ``layer_{M}_expert_{E}_mp_rank_XX_model_states.pt``
-(M counts MoE layers, E the global expert; names as upstream's, ``...deepspeed_experts.E...``).
+(M counts MoE layers, E the global expert; names as upstream's, ``...deepspeed_experts.E...``). Upstream's
+GPTModel applies --apply-layernorm-1p to its final norm as ours does, so every norm is written as it is (its
+GPTModelPipe does not: the reader converts that one, mapping.pipe_final_norm_to_ours).
 
 Weights, progress and the LR schedule's state (ours keeps upstream's form, in samples; DeepSpeed's engine loads it
 even under ``--no-load-optim``, and upstream checks it against its flags, so run upstream with the same LR flags and
@@ -82,6 +84,8 @@ def upstream_args(fields: dict, padded_vocab: int, tp: int, dp: int, progress: d
          "bias_gelu_fusion": False, "use_rotary_position_embeddings": fields["position_embedding_type"] == "rope",
          "untie_embeddings_and_output_weights": fields["untie_embeddings_and_output_weights"],
          "add_bias_linear": fields["add_bias_linear"], "layernorm_epsilon": fields["layernorm_epsilon"],
+         **{k: bool(fields.get(k, False)) for k in ("squared_relu", "apply_layernorm_1p",
+                                                    "apply_residual_connection_post_layernorm")},
          "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "data_parallel_size": dp,
          "world_size": tp * dp, "deepspeed": True, "zero_stage": int(run_flags.get("zero_stage", 1)),
          "num_experts": list(moe.get("num_experts", [1])), "expert_interval": moe.get("expert_interval", 2),

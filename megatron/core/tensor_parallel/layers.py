@@ -46,21 +46,30 @@ def mark_replicated(module: nn.Module) -> None:
 
 
 def initialize_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int, tp: GroupInfo,
-                     std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1) -> None:
-    """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std).
+                     std: float, seed: int, key: str, use_cpu_init: bool, stride: int = 1,
+                     init_method: str = "normal") -> None:
+    """Fill ``param`` (this rank's shard of a ``full_shape`` weight) from N(0, std), or with ``init_method``
+    'xavier_uniform' (--init-method-xavier-uniform) from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the full
+    [out, in] weight: torch's ``xavier_uniform_`` of the full matrix, as upstream's --use-cpu-initialization path
+    draws it (its GPU path would take the shard's fans, another distribution at every TP size).
 
     ``stride`` > 1 means the full weight is ``stride`` stacked blocks (e.g. SwiGLU's [gate; up]) and
     every rank takes its slice of each block, keeping gate and up rows aligned on each rank.
     """
+    def draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
+        if init_method == "xavier_uniform":
+            bound = math.sqrt(6.0 / (full_shape[0] + full_shape[1]))
+            return t.uniform_(-bound, bound, generator=gen)
+        return t.normal_(0.0, std, generator=gen)
+
     with torch.no_grad():
         if tp.size == 1 or use_cpu_init:
-            gen = torch.Generator().manual_seed(_stable_seed(seed, key))
-            full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            full = draw(full_shape, torch.Generator().manual_seed(_stable_seed(seed, key)))
             param.copy_(shard_tensor(full, partition_dim, tp.size, tp.rank, stride))
         else:
-            gen = torch.Generator().manual_seed(_stable_seed(seed, key, salt=1 + tp.rank))
-            shard = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
-            param.copy_(shard)
+            param.copy_(draw(tuple(param.shape), torch.Generator().manual_seed(_stable_seed(seed, key,
+                                                                                            salt=1 + tp.rank))))
 
 
 def initialize_uniform(param: nn.Parameter, bound: float, seed: int, key: str) -> None:
@@ -84,23 +93,31 @@ class VocabParallelEmbedding(nn.Module):
     the partial results are summed over TP. Output: [b, s, h] (the caller transposes)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: GroupInfo, init_std: float, seed: int,
-                 init_key: str, use_cpu_init: bool = False) -> None:
+                 init_key: str, use_cpu_init: bool = False, init_method: str = "normal",
+                 fp32_lookup: bool = False) -> None:
+        """``fp32_lookup`` (--embedding-weights-in-fp32): look up in an fp32 copy of the table and reduce over TP in
+        fp32, then round to the weight's dtype (upstream casts the module to fp32 around the lookup)."""
         super().__init__()
-        self.tp = tp
+        self.tp, self.fp32_lookup = tp, fp32_lookup
         self.num_embeddings = num_embeddings
         per_rank = num_embeddings // tp.size
         self.vocab_start, self.vocab_end = tp.rank * per_rank, (tp.rank + 1) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=init_device()))
         mark_tensor_parallel(self.weight, partition_dim=0)
-        initialize_shard(self.weight, (num_embeddings, embedding_dim), 0, tp, init_std, seed, init_key, use_cpu_init)
+        initialize_shard(self.weight, (num_embeddings, embedding_dim), 0, tp, init_std, seed, init_key, use_cpu_init,
+                         init_method=init_method)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # An fp32 lookup's gradient reaches the weight through the cast's backward: rounded once to its dtype.
+        weight = self.weight.float() if self.fp32_lookup else self.weight
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp)
+            out = F.embedding(ids, weight)
+        else:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = mappings.reduce_from_tensor_model_parallel_region(out, self.tp)
+        return out.to(self.weight.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -109,7 +126,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, seed: int = 0, init_key: str = "",
                  use_cpu_init: bool = False, stride: int = 1, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False) -> None:
+                 skip_bias_add: bool = False, init_method: str = "normal") -> None:
         super().__init__()
         assert output_size % tp.size == 0, "caller validates divisibility"
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel and tp.size > 1
@@ -118,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_per_rank, input_size, device=init_device()))
         mark_tensor_parallel(self.weight, partition_dim=0, stride=stride)
         initialize_shard(self.weight, (output_size, input_size), 0, tp, init_std, seed, init_key, use_cpu_init,
-                         stride)
+                         stride, init_method)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_per_rank, device=init_device()))
             mark_tensor_parallel(self.bias, partition_dim=0, stride=stride)
@@ -145,7 +162,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0, init_key: str = "",
-                 use_cpu_init: bool = False, sequence_parallel: bool = False, skip_bias_add: bool = False) -> None:
+                 use_cpu_init: bool = False, sequence_parallel: bool = False, skip_bias_add: bool = False,
+                 init_method: str = "normal") -> None:
         super().__init__()
         assert input_size % tp.size == 0, "caller validates divisibility"
         self.tp, self.input_is_parallel = tp, input_is_parallel
@@ -153,7 +171,8 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp.size, device=init_device()))
         mark_tensor_parallel(self.weight, partition_dim=1)
-        initialize_shard(self.weight, (output_size, input_size), 1, tp, init_std, seed, init_key, use_cpu_init)
+        initialize_shard(self.weight, (output_size, input_size), 1, tp, init_std, seed, init_key, use_cpu_init,
+                         init_method=init_method)
         if bias:
             # Replicated on every TP rank; not marked TP so grad-norm counts it once.
             self.bias = nn.Parameter(torch.zeros(output_size, device=init_device()))

@@ -91,3 +91,38 @@ def test_norm_autotune_one_config_under_interpreter_pruned_on_gpu(tn, monkeypatc
     narrow = tn._prune(gpu, {}, BLOCK=128)
     assert narrow and all(c.num_warps * 128 <= max(128, c.kwargs["ROWS"] * 128) for c in narrow)
     assert all(c.kwargs["ROWS"] * 128 >= 1024 for c in narrow if c.kwargs["ROWS"] > 1)
+
+
+@pytest.mark.parametrize("one_plus,x_dtype,w_dtype", [(True, torch.float32, torch.float32),
+                                                      (True, torch.bfloat16, torch.bfloat16),
+                                                      (False, torch.float32, torch.bfloat16),
+                                                      (True, torch.float32, torch.bfloat16)],
+                         ids=["1p", "1p-bf16", "fp32-residual", "1p-fp32-residual"])
+def test_model_norm_variants_run_the_triton_kernel(tn, monkeypatch, one_plus, x_dtype, w_dtype):
+    """--apply-layernorm-1p (1 + weight) and --fp32-residual-connection (an fp32 input, 16-bit weights) reach the
+    kernel seam as inputs of one dtype, so the Triton kernel runs them (no fallback) and equals torch's path."""
+    from megatron.kernels import norms as norm_ops
+    from megatron.model.norms import Norm
+
+    picked = []
+    run = norm_ops._run
+    monkeypatch.setattr(norm_ops, "_run", lambda backend, *a, **k: (picked.append(backend), run(backend, *a, **k))[1])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 40, generator=g).to(x_dtype)
+    dy = torch.randn(3, 2, 40, generator=g).to(w_dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        norm = Norm(40, "layernorm", EPS, backend=backend, one_plus=one_plus)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(1)))
+            norm.bias.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
+        norm = norm.to(w_dtype)
+        x_ = x.clone().requires_grad_()
+        y = norm(x_)
+        assert y.dtype == w_dtype
+        y.backward(dy)
+        results[backend] = [t.detach().double() for t in (y, x_.grad, norm.weight.grad, norm.bias.grad)]
+    assert picked == ["triton", "torch"]
+    tol = 1e-5 if w_dtype == torch.float32 else 2e-2
+    for got, ref in zip(results["triton"], results["torch"], strict=True):
+        assert rel_err(got, ref) <= tol
