@@ -164,3 +164,13 @@ def test_compatibility_doc_table_is_current():
     proc = subprocess.run([sys.executable, "tools/compat_table.py", "--check"], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_refusal_says_why_then_what_to_do():
+    """docs/compatibility.md promises a reason for each refused flag: one line, the why (several words), then after
+    ': ' what to do instead."""
+    texts = {flag: r.instead for flag, r in compat.REFUSALS.items()}
+    texts |= {f"group {g}": t for g, t in compat.REFUSED_GROUPS.items()}
+    bad = [flag for flag, text in texts.items()
+           if "\n" in text or ": " not in text or len(text.split(": ")[0].split()) < 3 or not text.split(": ")[-1]]
+    assert not bad, bad
