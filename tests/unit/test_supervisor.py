@@ -41,6 +41,7 @@ def _train(supervisor: Supervisor, iterations: int) -> tuple[int, list]:
         if decisions[-1].exit:
             break
     supervisor.end(it, 4 * it)
+    supervisor.finish(it, 4 * it, evaluated=False)  # no evaluation splits: nothing to evaluate at the end
     return it, decisions
 
 
