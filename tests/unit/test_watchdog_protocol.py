@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -75,7 +76,7 @@ class Ranks:
 
 def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
     world = 3
-    monkeypatch.setattr(wd.tempfile, "tempdir", str(tmp_path / "tmp"))  # no --save: the stacks go here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # no --save: the stacks go here
     (tmp_path / "tmp").mkdir()
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
