@@ -209,7 +209,7 @@ def problems(script: str, text: str, env: Mapping[str, str], save: str | None = 
             if not value and name not in maybe:
                 out.append(f"{name} is unset: MIOpen keeps its cache in $HOME, which thousands of ranks lock; set "
                            "it to a node-local folder such as /tmp/$USER-miopen-cache (env.sh does)")
-            elif value and _on_lustre(value, mounts_file) or _on_home_or_nfs(value, env, mounts_file):
+            elif value and (_on_lustre(value, mounts_file) or _on_home_or_nfs(value, env, mounts_file)):
                 out.append(f"{name}={value} is on a shared file system: MIOpen's database locks fail there; use a "
                            "node-local folder such as /tmp/$USER-miopen-cache")
 

@@ -94,6 +94,16 @@ def test_a_clean_job_is_silent(tmp_path):
     assert _problems(tmp_path, {}, {}, {}) == []
 
 
+def test_a_variable_the_script_may_set_is_not_judged(tmp_path):
+    """Set under a condition or from ``$(...)`` (shell_env's ``maybe``): no "unset" line, and no value to judge."""
+    env = {k: v for k, v in ENV.items() if not k.startswith(("MIOPEN", "FI_CXI"))}
+    maybe = {"MIOPEN_USER_DB_PATH", "MIOPEN_CUSTOM_CACHE_DIR", "FI_CXI_RDZV_PROTO"}
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n")
+    assert check_job.problems("job.sbatch", CLEAN, env, SAVE, mounts_file=str(mounts), maybe=maybe) == []
+    assert len(check_job.problems("job.sbatch", CLEAN, env, SAVE, mounts_file=str(mounts))) == 3
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_mistake_is_one_line(tmp_path, name):
     edits, env_changes, kw, words = CASES[name]
