@@ -310,8 +310,10 @@ class Deadline:
         iters = max(0, int(left // per)) if per > 0 else 0
         evals = ""
         if self.evals.periodic(self.evals.interval) or self.evals.at_end():
-            evals = (f"; predicted evaluation {self.eval_secs(self.evals.global_batch):.3g} s per global batch "
-                     f"({self.eval.source})")
+            evals = f"; evaluation {self.eval.source}"  # not measured yet
+            if self.eval.per_sample is not None:
+                evals = (f"; predicted evaluation {self.eval_secs(self.evals.global_batch):.3g} s per global batch "
+                         f"({self.eval.source})")
         self.say(f"> job {self.settings.job_id} ends at {_clock(end)} (in {end - now:.0f} s, {self.end.source}); "
                  f"predicted save {self.save_secs:.1f} s ({self.save_source}){evals}; margin {margin:.1f} s; this "
                  f"job will do about {iters} more iterations ({per:.3g} s each)")

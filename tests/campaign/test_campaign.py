@@ -220,3 +220,21 @@ def test_a_job_on_a_finished_run_exits_at_once(campaign):
     assert f"campaign: run smoke_1node is finished at iteration {ITERS}" in log_of(job)
     assert not [c for c in place.calls("srun") + place.calls("sbatch") if c["from_job"] == again]
     assert os.path.exists(campaign.ckpt / "finished")
+
+
+def test_a_job_that_only_evaluates_finishes_the_run(campaign):
+    """The state a job that moved the end-of-training evaluation leaves (the last iteration saved, no ``finished``),
+    made here whatever the campaign's timing did: its successor runs no step, evaluates with the straight run's
+    numbers and writes ``finished`` (no slowed evaluation: the cheap way)."""
+    place = campaign.place
+    (campaign.ckpt / "finished").unlink()
+    again = place.sbatch("-t", _clock(campaign.limit), args=(*CAMPAIGN_GPT, *EVAL), MEGATRON_FAULT="")
+    job, = place.run(max_jobs=1)
+    text = log_of(job)
+    assert job["id"] == again and job["rc"] == 0 and job["ended"] <= job["end_time"], text[-3000:]
+    assert not iterations_logged(text) and place.result(again)["final_eval"] == \
+        campaign.straight.result(campaign.straight_id)["final_eval"]
+    for split in ("validation", "test"):
+        assert text.count(f"validation loss at iteration {ITERS} on 400-sample draw from {split} set") == 1
+    finished = json.loads((campaign.ckpt / "finished").read_text())
+    assert (finished["iteration"], finished["job"]) == (ITERS, again)
