@@ -10,7 +10,8 @@ reused by every test here:
   with a whole checkpoint; each job submits one successor and the one pending at the end is cancelled;
 - from the second job on, the save time predicted at start is within 50% of the measured one;
 - the end-of-training evaluation is logged by the last job alone, with the straight run's numbers bit for bit, and
-  ``finished`` is written by that job (the job that reached the last iteration runs it when it fits, else moves it).
+  ``finished`` is written by that job (the job that reached the last iteration runs it when it fits, else moves it);
+  afterwards, a job on the state a move leaves (``finished`` removed) runs only that evaluation and finishes the run.
 
 On a loaded machine the start-up of a job (imports, process group, engine) takes longer than 45 s allows: the
 job length grows by the straight run's measured start-up beyond 15 s, and the step is slowed (a sleep, no CPU) so
