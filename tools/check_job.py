@@ -1,6 +1,7 @@
-"""What would waste a Frontier job: reads an sbatch script and its environment (this process's, so run it inside
-the job, as every script of examples/frontier/ does before srun) and prints one line per problem. Exit 0 when
-clean, 1 otherwise; the scripts only warn.
+"""What would waste a Frontier job: reads an sbatch script and the environment its job step will get (this process's,
+plus what the script and the files it sources, such as examples/frontier/env.sh, export: tools/shell_env.py), and
+prints one line per problem. Run it by hand before submitting, or inside the job as every script of
+examples/frontier/ does before srun. Exit 0 when clean, 1 otherwise; the scripts only warn.
 
     python tools/check_job.py examples/frontier/gpt22b.sbatch --save runs/gpt22b/checkpoints
 
@@ -18,11 +19,12 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megatron.resilience.run_files import read_save_time  # noqa: E402
+from tools.shell_env import script_environment  # noqa: E402
 
 # (first node count, last node count, walltime limit in hours): OLCF's Frontier batch bins (shared FRONTIER.md)
 BINS = ((1, 91, 2), (92, 183, 6), (184, 1881, 12), (1882, 5644, 12), (5645, 9472, 12))
@@ -128,8 +130,10 @@ def _on_lustre(path: str, mounts_file: str) -> bool:
 
 
 def problems(script: str, text: str, env: Mapping[str, str], save: str | None = None, nodes: int | None = None,
-             time: str | None = None, mounts_file: str = "/proc/mounts") -> list[str]:
-    """One line per problem of ``script`` (its ``text``) run in ``env``; empty when clean."""
+             time: str | None = None, mounts_file: str = "/proc/mounts", maybe: Collection[str] = ()) -> list[str]:
+    """One line per problem of ``script`` (its ``text``) whose job step gets ``env`` (the values known before it
+    runs); ``maybe``: variables it may get, or get with a value known only then (set under a condition, from
+    ``$(...)``): they pass the "unset" checks and are not judged by value."""
     opts = sbatch_options(text)
     cmds = commands(text)
     trains = any("pretrain_gpt.py" in c for c in cmds)
@@ -184,7 +188,7 @@ def problems(script: str, text: str, env: Mapping[str, str], save: str | None = 
                    "userfaultfd")
     no_get = "disable_rdzv_get" in opts.get("network", "")
     alt_read = env.get("FI_CXI_RDZV_PROTO") == "alt_read"
-    if no_get and not alt_read:
+    if no_get and not alt_read and "FI_CXI_RDZV_PROTO" not in maybe:
         out.append("#SBATCH --network=disable_rdzv_get without FI_CXI_RDZV_PROTO=alt_read: export both (env.sh does)")
     elif alt_read and not no_get:
         out.append("FI_CXI_RDZV_PROTO=alt_read without #SBATCH --network=disable_rdzv_get: request both, or unset "
@@ -202,10 +206,10 @@ def problems(script: str, text: str, env: Mapping[str, str], save: str | None = 
     if trains:
         for name in ("MIOPEN_USER_DB_PATH", "MIOPEN_CUSTOM_CACHE_DIR"):
             value = env.get(name)
-            if not value:
+            if not value and name not in maybe:
                 out.append(f"{name} is unset: MIOpen keeps its cache in $HOME, which thousands of ranks lock; set "
                            "it to a node-local folder such as /tmp/$USER-miopen-cache (env.sh does)")
-            elif _on_lustre(value, mounts_file) or _on_home_or_nfs(value, env, mounts_file):
+            elif value and (_on_lustre(value, mounts_file) or _on_home_or_nfs(value, env, mounts_file)):
                 out.append(f"{name}={value} is on a shared file system: MIOpen's database locks fail there; use a "
                            "node-local folder such as /tmp/$USER-miopen-cache")
 
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"check_job: cannot read {a.script}: {e.strerror}", file=sys.stderr)
         return 2
-    found = problems(a.script, text, os.environ, a.save or os.environ.get("CKPT_DIR"), a.nodes, a.time)
+    env = script_environment(a.script, text, os.environ, os.getcwd())
+    found = problems(a.script, text, env, a.save or os.environ.get("CKPT_DIR"), a.nodes, a.time, maybe=env.maybe)
     for line in found:
         print(line, file=sys.stderr)
     return 1 if found else 0

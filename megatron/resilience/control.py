@@ -97,12 +97,13 @@ class RunControl:
         self._previous = {}
 
     def after_iteration(self, it: int, loss: float | torch.Tensor | StepValues) -> Decision:
-        """Collective over all ranks: ``decide(it, exchange(loss))``."""
-        return self.decide(it, self.exchange(loss))
+        """Collective over all ranks: ``decide(it, exchange(loss, it))``."""
+        return self.decide(it, self.exchange(loss, it))
 
-    def exchange(self, loss: float | torch.Tensor | StepValues) -> Flags:
+    def exchange(self, loss: float | torch.Tensor | StepValues, it: int | None = None) -> Flags:
         """Collective: (signal, timed out, non-finite loss, kill switch, job end near, the background save's state) on
-        any rank, one small MAX all-reduce.
+        any rank, one small MAX all-reduce. ``it``: the iteration just done (the deadline budgets the evaluations and
+        interval saves due around it; None: none).
 
         ``loss`` may be a step's outcome whose values are still on the device: its finiteness is tested there and
         its loss and grad norm come back in the same read-back as the flags, the iteration's one host sync."""
@@ -116,7 +117,7 @@ class RunControl:
         killed = float(self.kill_switch_file is not None and os.path.exists(self.kill_switch_file))
         # A stop first finishes the save in flight (AsyncSaver.finish): the deadline adds the slowest rank's drain, as
         # agreed in the previous exchange (this one's values ride in the same all-reduce).
-        ending = float(self.deadline is not None and self.deadline.should_stop(self._agreed_drain))
+        ending = float(self.deadline is not None and self.deadline.should_stop(self._agreed_drain, it))
         saving = self.saver.status() if self.saver is not None else []
         drain = [self._drain()] if self.saver is not None else []
         n = 5 + len(saving)
@@ -128,6 +129,11 @@ class RunControl:
         if res is not None:
             res.resolve(got[n + len(drain):])
         return Flags(bool(got[0]), bool(got[1]), bool(got[2]), bool(got[3]), bool(got[4]), tuple(got[5:n]))
+
+    @property
+    def agreed_drain(self) -> float | None:
+        """The slowest rank's remaining background write as last agreed (s; None: unknown)."""
+        return self._agreed_drain
 
     def _drain(self) -> float:
         """This rank's in-flight save's remaining write time; UNKNOWN_DRAIN before its first file (the rate is not

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 import subprocess
 import threading
 import time
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 from megatron.checkpointing.live.space import checkpoint_bytes
 from megatron.config import RunConfig
-from megatron.resilience.run_files import read_save_time, write_save_time
+from megatron.resilience import eval_budget
+from megatron.resilience.eval_budget import EvalEstimate, EvalPlan
+from megatron.resilience.run_files import read_run_times, read_save_time, update_run_times, write_save_time
 
 MIN_MARGIN_S = 15.0
 STEP_WINDOW = 8
@@ -38,6 +41,8 @@ class DeadlineSettings:
     """``SLURM_JOB_ID``; None outside Slurm: no end time, no deadline."""
     end_time: float | None = None
     """``SLURM_JOB_END_TIME`` (seconds since the epoch); None: ask ``squeue``."""
+    unreadable_end_time: str | None = None
+    """``SLURM_JOB_END_TIME`` when it is set but not a time (``tomorrow``): named in the log."""
     margin_secs: float | None = None
     """--job-end-margin-secs: kept free beyond the next step and a save. None: max(2 step times, 20% of the
     predicted save, 15 s)."""
@@ -50,17 +55,23 @@ class DeadlineSettings:
     ``MEGATRON_SIGNAL_LEAD_SECS``); None: unknown."""
     reread_secs: float = 300.0
     """How often rank 0 asks squeue again."""
+    save_interval: int | None = None
+    """--save-interval: an iteration that saves anyway costs a save more before the next step."""
+    train_iters: int | None = None
+    """--train-iters: after the last iteration comes no step (the end of training saves anyway)."""
 
     @classmethod
     def from_run(cls, run: RunConfig, environ: Mapping[str, str] = os.environ) -> DeadlineSettings:
         """From the run's settings and the job's environment (Slurm's variables, campaign.sh's signal lead)."""
-        end = environ.get("SLURM_JOB_END_TIME")
+        end = (environ.get("SLURM_JOB_END_TIME") or "").strip()
         lead = environ.get("MEGATRON_SIGNAL_LEAD_SECS")
+        readable = bool(re.fullmatch(r"\d+(\.\d*)?", end))
         return cls(job_id=environ.get("SLURM_JOB_ID") or None,
-                   end_time=float(end) if end and end.strip().isdigit() else None,
+                   end_time=float(end) if readable else None, unreadable_end_time=end if end and not readable else None,
                    margin_secs=run.runtime.job_end_margin_secs, save_dir=run.checkpoint.save,
                    save_optimizer=not run.checkpoint.no_save_optim,
-                   signal_lead_secs=float(lead) if lead and lead.strip().isdigit() else None)
+                   signal_lead_secs=float(lead) if lead and lead.strip().isdigit() else None,
+                   save_interval=run.checkpoint.save_interval, train_iters=run.training.train_iters)
 
 
 def squeue_end_time(job_id: str, timeout: float = 30.0) -> float | None:
@@ -149,6 +160,8 @@ class EndTime:
         self.source = "SLURM_JOB_END_TIME"
         if self.value is None and self.job_id:
             self.value, self.source = self.query(self.job_id), "squeue"
+            if settings.unreadable_end_time is not None:
+                self.source += f" (SLURM_JOB_END_TIME={settings.unreadable_end_time!r} is not a time)"
         self._stop = threading.Event()
         self._thread = None
         if self.value is not None and self.every > 0:
@@ -171,15 +184,21 @@ def _clock(t: float) -> str:
 
 
 class Deadline:
-    """Rank 0's judge of "stop now". ``should_stop()`` after each iteration, ``saved()`` after each save."""
+    """Rank 0's judge of "stop now". ``should_stop()`` after each iteration, ``saved()`` after each save,
+    ``evaluated()`` after each evaluation."""
 
     def __init__(self, settings: DeadlineSettings, end: EndTime, save: SavePrediction,
-                 clock: Callable[[], float] = time.time, say: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, say: Callable[[str], None] | None = None,
+                 evals: EvalPlan = EvalPlan(), world_size: int = 1) -> None:
+        """``evals``: the run's evaluations; ``world_size``: this job's ranks (an earlier job's evaluation time is
+        scaled to it)."""
         self.settings, self.end, self.clock = settings, end, clock
         self.say = say or (lambda msg: print(msg, flush=True))
         self.save_secs, self.save_source = save.secs, save.source
         last = read_save_time(settings.save_dir)
         self.previous_step = float(last["step_secs"]) if last and last.get("step_secs") else None
+        self.evals = evals
+        self.eval = EvalEstimate(world_size, read_run_times(settings.save_dir), settings.job_id)
         self.steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.step_mean: float | None = None
         self._last = clock()
@@ -202,9 +221,22 @@ class Deadline:
             return self.settings.margin_secs
         return max(2 * self.step(), 0.2 * self.save_secs, MIN_MARGIN_S)
 
-    def should_stop(self, drain: float | None = 0.0) -> bool:
+    def eval_secs(self, samples: int) -> float:
+        """The predicted seconds of an evaluation that draws ``samples`` samples."""
+        return self.eval.secs(samples)
+
+    def left(self) -> float:
+        """Seconds to the job's end (inf when unknown)."""
+        return math.inf if self.end.value is None else self.end.value - self.clock()
+
+    def fits(self, secs: float) -> bool:
+        """Would ``secs`` of work and the margin end before the job does?"""
+        return secs + self.margin() <= self.left()
+
+    def should_stop(self, drain: float | None = 0.0, it: int | None = None) -> bool:
         """``drain``: seconds the save in flight (--async-save) still needs before a stop can save (None: unknown,
-        counted as a whole save)."""
+        counted as a whole save); ``it``: the iteration just done (None: no evaluation or interval save is
+        budgeted)."""
         drain = self.save_secs if drain is None else drain
         now = self.clock()
         interval, self._last = now - self._last, now
@@ -213,22 +245,78 @@ class Deadline:
         end = self.end.value
         if end is None:
             return False
-        step, margin = self.step(), self.margin()
         if not self._announced:
-            self._announced = True
-            per = self.previous_step or interval
-            left = end - now - self.save_secs - margin
-            iters = max(0, int(left // per)) if per > 0 else 0
-            self.say(f"> job {self.settings.job_id} ends at {_clock(end)} (in {end - now:.0f} s, {self.end.source}); "
-                     f"predicted save {self.save_secs:.1f} s ({self.save_source}); margin {margin:.1f} s; this job "
-                     f"will do about {iters} more iterations ({per:.3g} s each)")
-        if now + step + drain + self.save_secs + margin <= end:
+            self._announce(now, end, interval, self.margin())
+        if it is not None and self.settings.train_iters is not None and it >= self.settings.train_iters:
+            return False  # no step follows: the end of training saves anyway, and judges its evaluation
+        costs = [("this iteration's evaluation", self.eval_secs(self.evals.periodic(it))), *self.to_go(it, drain)]
+        if now + sum(secs for _, secs in costs) <= end:
             return False
-        flight = f", the save in flight ({drain:.1f} s)" if drain else ""
-        self.reason = (f"the job ends at {_clock(end)}: the next step ({step:.1f} s){flight}, a save "
-                       f"({self.save_secs:.1f} s) and the margin ({margin:.1f} s) would not fit in the "
+        named = [f"{name} ({secs:.1f} s)" for name, secs in costs
+                 if secs or name in ("the next step", "a save", "the margin")]
+        self.reason = (f"the job ends at {_clock(end)}: {', '.join(named[:-1])} and {named[-1]} would not fit in the "
                        f"{max(0.0, end - now):.0f} s left")
         return True
+
+    def to_go(self, it: int | None, drain: float | None = 0.0, saved: bool = False) -> list[tuple[str, float]]:
+        """What must still fit after iteration ``it`` (its evaluation aside) for training to go on: its interval
+        save (none when ``saved``: its checkpoint exists), the next step and its evaluation, the save in flight, a
+        save (where the job would stop) and the margin. (name, seconds) each."""
+        drain = self.save_secs if drain is None else drain
+        every = self.settings.save_interval
+        return [("its interval save", self.save_secs if it and every and not it % every and not saved else 0.0),
+                ("the next step", self.step()),
+                ("the next evaluation", self.eval_secs(self.evals.periodic(None if it is None else it + 1))),
+                ("the save in flight", drain), ("a save", self.save_secs), ("the margin", self.margin())]
+
+    def judge_evaluation(self, kind: str, it: int, name: str, elapsed: float, rest: float, drain: float | None,
+                         did_steps: bool) -> tuple[int, str, str]:
+        """An evaluation under way (``kind``: "periodic" after step ``it``, "moved" before this job's first step,
+        "end" after training; ``name`` for the log) ran ``elapsed`` s and needs ``rest`` more: (the verdict, the
+        reason a stop gives, the line to say). A periodic one must leave time for a save (``drain``: the save in
+        flight), and for the next step and what follows it to go on; a moved one for the next step; the end of
+        training only for the margin."""
+        margin, left, total = self.margin(), self.left(), elapsed + rest
+        if kind == "end":
+            go = stop = [("the margin", margin)]
+        else:
+            go = self.to_go(it, drain if kind == "periodic" else 0.0, saved=kind == "moved")
+            stop = [c for c in go if c[0] in ("the save in flight", "a save", "the margin")] if kind == "periodic" \
+                else [("the margin", margin)]
+        verdict = eval_budget.verdict(left, rest, sum(s for _, s in stop), sum(s for _, s in go))
+        if verdict == eval_budget.GO:
+            return verdict, "", ""
+        if verdict == eval_budget.STOP_AFTER:
+            after = ", ".join(f"{n} ({s:.1f} s)" for n, s in go if s)
+            return verdict, (f"the job ends at {_clock(self.end.value)}: after {name} (~{total:.0f} s), {after} would "
+                             f"not fit in the {max(0.0, left - rest):.0f} s left"), ""
+        why = f"{name} (~{total:.0f} s predicted, {elapsed:.0f} s of it done) does not fit before the job's end"
+        if kind == "periodic":
+            line = f"> {why} ({left:.0f} s left, with a save and the margin): moved to the next job, which runs it " \
+                "first"
+        elif did_steps:
+            line = f"> {why} ({left:.0f} s left): moved to the next job; the run is marked finished after it"
+        else:
+            line = (f"> {why} ({left:.0f} s left), although this job did nothing else: it is longer than the job's "
+                    "time limit allows; ask for more time (sbatch -t) or fewer --eval-iters")
+        return verdict, why, line
+
+    def _announce(self, now: float, end: float, interval: float, margin: float) -> None:
+        self._announced = True
+        per = self.previous_step or interval
+        if self.evals.periodic(self.evals.interval):  # each iteration's share of the periodic evaluations
+            per += self.eval_secs(self.evals.periodic(self.evals.interval)) / self.evals.interval
+        left = end - now - self.save_secs - margin
+        iters = max(0, int(left // per)) if per > 0 else 0
+        evals = ""
+        if self.evals.periodic(self.evals.interval) or self.evals.at_end():
+            evals = f"; evaluation {self.eval.source}"  # not measured yet
+            if self.eval.per_sample is not None:
+                evals = (f"; predicted evaluation {self.eval_secs(self.evals.global_batch):.3g} s per global batch "
+                         f"({self.eval.source})")
+        self.say(f"> job {self.settings.job_id} ends at {_clock(end)} (in {end - now:.0f} s, {self.end.source}); "
+                 f"predicted save {self.save_secs:.1f} s ({self.save_source}){evals}; margin {margin:.1f} s; this "
+                 f"job will do about {iters} more iterations ({per:.3g} s each)")
 
     def saved(self, secs: float, iteration: int) -> None:
         """A save of ``secs`` seconds just ended: the prediction from now on, and the next job's."""
@@ -238,6 +326,15 @@ class Deadline:
         self.say(f"> checkpoint save took {secs:.1f} s (predicted {predicted:.1f} s)")
         if self.settings.save_dir:
             write_save_time(self.settings.save_dir, secs, self.settings.job_id, iteration, self.step_mean)
+
+    def evaluated(self, secs: float, samples: int) -> None:
+        """An evaluation of ``samples`` samples took ``secs``: the prediction from now on, and the next job's."""
+        predicted = self.eval_secs(samples)
+        kept = self.eval.measured(secs, samples)
+        self._last = self.clock()  # the evaluation is budgeted apart: not part of the next step's interval
+        self.say(f"> evaluation took {secs:.1f} s (predicted {predicted:.1f} s)")
+        if self.settings.save_dir:
+            update_run_times(self.settings.save_dir, **kept)
 
     def _warn_signal_lead(self) -> None:
         lead = self.settings.signal_lead_secs
@@ -252,13 +349,19 @@ class Deadline:
         self.end.close()
 
 
-def start_deadline(settings: DeadlineSettings, run: RunConfig, world_size: int, rank: int) -> Deadline | None:
-    """Rank 0's Deadline under Slurm; None on other ranks, outside Slurm, or when the end time is unknown."""
+def start_deadline(settings: DeadlineSettings, run: RunConfig, world_size: int, rank: int,
+                   evals: EvalPlan = EvalPlan()) -> Deadline | None:
+    """Rank 0's Deadline under Slurm; None on other ranks, outside Slurm, or when the end time is unknown.
+    ``evals``: the run's evaluations (budgeted with the steps)."""
     if rank != 0 or not settings.job_id:
         return None
     end = EndTime(settings)
     if end.value is None:
-        print(f"> job {settings.job_id}: end time unknown (no SLURM_JOB_END_TIME, squeue gave none): stopping "
-              "only on signals, --exit-duration-in-mins or --exit-interval", flush=True)
+        bad = settings.unreadable_end_time
+        why = (f"SLURM_JOB_END_TIME={bad!r} is not a time in seconds since the epoch" if bad is not None
+               else "no SLURM_JOB_END_TIME")
+        print(f"> job {settings.job_id}: end time unknown ({why}, squeue gave none): stopping only on signals, "
+              "--exit-duration-in-mins or --exit-interval", flush=True)
         return None
-    return Deadline(settings, end, predict_save(settings, bytes_per_writer(run, world_size, settings.save_optimizer)))
+    return Deadline(settings, end, predict_save(settings, bytes_per_writer(run, world_size, settings.save_optimizer)),
+                    evals=evals, world_size=world_size)

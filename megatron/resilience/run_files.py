@@ -5,8 +5,11 @@ tools/check_job.py read them without torch).
   ``--train-tokens``), after the last checkpoint. examples/frontier/campaign.sh reads it: the job that finishes
   the run cancels its pending successor, a job that starts on a finished run exits 0 at once. To train further,
   raise the target and delete the marker.
-- ``save_time.json``: the last checkpoint save measured in this run, and the step time then
-  (megatron/resilience/deadline.py predicts the next job's saves from it).
+- ``save_time.json``: the last checkpoint save measured in this run, the step time then, and the last evaluation's
+  time per sample with the ranks it ran on (megatron/resilience/deadline.py predicts the next job's saves and
+  evaluations from them).
+- ``moved_evaluation.json``: the periodic evaluation a job stopped before (it did not fit before the job's end), for
+  the job that resumes from that iteration's checkpoint; removed once it ran.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 
 FINISHED = "finished"
 SAVE_TIME = "save_time.json"
+MOVED_EVALUATION = "moved_evaluation.json"
 
 
 def _write_json(path: str, body: dict) -> None:
@@ -51,22 +55,53 @@ def read_finished(folder: str) -> dict | None:
     return _read_json(os.path.join(folder, FINISHED))
 
 
-def write_save_time(folder: str, save_secs: float, job: str | None, iteration: int,
-                    step_secs: float | None) -> None:
-    """Keep the last save's duration (and the step time) for the next job. Advice only: a failed write is
-    ignored (a full disk is reported by the next save, not here)."""
+def update_run_times(folder: str, **fields) -> None:
+    """Merge ``fields`` (``save_secs``, ``step_secs``, ``eval_sample_secs``, ...) into the run's measured times for the
+    next job. Advice only: a failed write is ignored (a full disk is reported by the next save, not here)."""
+    body = _read_json(os.path.join(folder, SAVE_TIME)) or {}
+    body.update(fields, time=round(time.time(), 3))
     try:
-        _write_json(os.path.join(folder, SAVE_TIME), {
-            "save_secs": round(save_secs, 3), "job": job, "iteration": iteration, "time": round(time.time(), 3),
-            "step_secs": round(step_secs, 4) if step_secs else None})
+        _write_json(os.path.join(folder, SAVE_TIME), body)
     except OSError:
         pass
 
 
+def write_save_time(folder: str, save_secs: float, job: str | None, iteration: int,
+                    step_secs: float | None) -> None:
+    """Keep the last save's duration (and the step time) for the next job."""
+    update_run_times(folder, save_secs=round(save_secs, 3), job=job, iteration=iteration,
+                     step_secs=round(step_secs, 4) if step_secs else None)
+
+
+def read_run_times(folder: str | None) -> dict:
+    """Everything measured so far (empty when nothing is, or the file is unreadable)."""
+    return (_read_json(os.path.join(folder, SAVE_TIME)) if folder else None) or {}
+
+
 def read_save_time(folder: str | None) -> dict | None:
     """{"save_secs", "step_secs", "job", "iteration", "time"} of the run's last measured save; None: none yet."""
-    got = _read_json(os.path.join(folder, SAVE_TIME)) if folder else None
+    got = read_run_times(folder)
     try:
-        return got if got is not None and float(got["save_secs"]) >= 0 else None
+        return got if float(got["save_secs"]) >= 0 else None
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def write_moved_evaluation(folder: str, iteration: int, job: str | None) -> None:
+    """The periodic evaluation of ``iteration`` (whose checkpoint this job saves) is the next job's to run."""
+    _write_json(os.path.join(folder, MOVED_EVALUATION), {"iteration": iteration, "job": job,
+                                                           "time": round(time.time(), 3)})
+
+
+def read_moved_evaluation(folder: str | None) -> dict | None:
+    """{"iteration", "job", "time"} of the evaluation a job moved to the next; None when there is none."""
+    got = _read_json(os.path.join(folder, MOVED_EVALUATION)) if folder else None
+    return got if got is not None and isinstance(got.get("iteration"), int) else None
+
+
+def clear_moved_evaluation(folder: str) -> None:
+    """The moved evaluation ran (a later resume from the same checkpoint does not repeat it)."""
+    try:
+        os.remove(os.path.join(folder, MOVED_EVALUATION))
+    except OSError:
+        pass

@@ -12,7 +12,8 @@ jobs: ``beat_interval``).
   for longer than its allowance (--hang-timeout; saves and start-up have their own) adds itself to a ``stalled``
   counter once; when that counter reaches the world size, no rank has moved for the allowance: every rank publishes
   its position once, rank 0 computes the verdict (megatron/resilience/hang_verdict.py), the culprits, a few ranks
-  waiting on them and rank 0 write their Python stacks (all threads) to the run folder, and every rank exits
+  waiting on them and rank 0 write their Python stacks (all threads) to the run folder (--save; else the temporary
+  folder, never the working directory), and every rank exits
   non-zero with the verdict's line. A collective that fails first (its timeout, a lost peer) asks for the same
   census at once, so the verdict still names the rank that never arrived.
 """
@@ -24,6 +25,7 @@ import faulthandler
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -66,8 +68,9 @@ class WatchdogSettings:
     save_allowance: float
     startup_allowance: float
     collective_timeout: float
-    run_folder: str
-    """Where the stack files go (--save, else the current directory)."""
+    run_folder: str | None
+    """Where the stack files go: --save; None: rank 0's temporary folder (tempfile.gettempdir(), on each rank's host),
+    never the working directory (a checkout, Slurm's submit directory)."""
     failures: FailureLog | None = None
     """The run's failure record (--save's failures.jsonl; None without --save)."""
 
@@ -76,7 +79,7 @@ class WatchdogSettings:
         """``save``: --save (the run folder); ``failures``: its failure record."""
         collective = rt.collective_timeout_s
         return cls(rt.watchdog_timeout_secs, rt.hang_timeout, rt.hang_timeout_save or collective,
-                   rt.hang_timeout_startup or collective, collective, save or os.getcwd(), failures)
+                   rt.hang_timeout_startup or collective, collective, save, failures)
 
 
 def beat_interval(timeout: float, hang_timeout: float | None, world: int) -> float:
@@ -306,10 +309,11 @@ class Watchdog:
             if not missing and not failed and not all(p["stalled"] for p in positions.values()):
                 self.store.set("census_open", "0")
                 return
-            stacks = os.path.join(self.s.run_folder, "hang-" + time.strftime("%Y%m%d-%H%M%S")
+            stacks = os.path.join(self.s.run_folder or tempfile.gettempdir(), "hang-" + time.strftime("%Y%m%d-%H%M%S")
                                   + (f"-job{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else ""))
+            named = stacks if self.s.run_folder else f"{stacks} on each rank's host (no --save)"
             verdict = judge(positions, self.world, missing, {r: self._where(r) for r in missing}, self.census_wait,
-                            stacks)
+                            named)
             self._publish_verdict(verdict, stacks)
         except (RuntimeError, OSError):
             pass  # the store is going away: the job is ending anyway

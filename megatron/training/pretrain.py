@@ -131,14 +131,19 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
     data = data_streams(run, pstate, providers.datasets, tokenizer, plan, resume.consumed_samples, eod, pipelined)
     log = IterationLog(run, pstate, engine, resume.iteration)
     evaluation = Evaluation(engine, run, pstate, providers.forward_step, pipelined, data.valid, data.test,
-                            resume.iteration, log.logger, data.batches, plan)
-    supervisor.begin(resume.iteration, save, log.writer)  # deadline, --async-save, signals, stragglers
+                            resume.iteration, log.logger, data.batches, plan, supervisor.evaluated)
+    # deadline, --async-save, signals, stragglers; an evaluation an earlier job moved here
+    supervisor.begin(resume.iteration, save, log.writer, data.valid is not None, data.test is not None)
     profiler = StepProfiler(run.profile, rank, get_accelerator().device_name())  # --profile: upstream's window
     resume.restore_rng()
     _announce(run, rank)
     scheduler, seq = getattr(engine, "lr_scheduler", None), run.model.seq_length
     it, consumed, decision = resume.iteration, resume.consumed_samples, Decision()
-    for it in range(resume.iteration + 1, 0 if opts.skip_train else t.train_iters + 1):
+    if supervisor.moved_evaluation is not None:  # the straight run's evaluation of this iteration, first
+        if evaluation.moved(it, consumed, supervisor.evaluation_guard("moved", it)):
+            supervisor.moved_evaluation_done()
+        decision = supervisor.stopped_before_training() or decision
+    for it in range(resume.iteration + 1, 0 if opts.skip_train or decision.exit else t.train_iters + 1):
         if t.train_tokens is not None and consumed * seq >= t.train_tokens:
             it -= 1  # upstream's loop condition: stop once --train-tokens are consumed
             print_rank0(f"> --train-tokens {t.train_tokens} consumed after iteration {it}", rank)
@@ -160,19 +165,20 @@ def _train(run: RunConfig, pstate: ParallelState, engine, providers: Providers, 
         supervisor.after_step(it, res)
         profiler.end()
         log.record(it, res, consumed, step_gbs)
-        PROGRESS.enter("eval")
-        evaluation.periodic(it, consumed, n_micro)
+        evaluation.periodic(it, consumed, n_micro, supervisor.evaluation_guard("periodic", it))
         decision = supervisor.decide(it, consumed)  # save? exit? why (it saves when due)
         if decision.exit:
             break
-    supervisor.end(it, consumed)  # the final save, the save in flight committed, the ``finished`` marker
-    PROGRESS.enter("eval")
-    final = {}
+    supervisor.end(it, consumed)  # the final save, the save in flight committed
+    final = None
     # Upstream evaluates at the end with the micro-batch count of the last step it ran (the one a checkpoint
     # set under --skip-train): they differ when a ramp step falls on the last iteration.
     end_micro = n_micro if it > resume.iteration else plan.global_batch(consumed) // (t.micro_batch_size * dp.size)
     if not decision.exit:  # upstream exits (sys.exit) on these before its final evaluation
-        final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train, num_microbatches=end_micro)
+        final = evaluation.at_end(it, consumed, write_tensorboard=not opts.skip_train, num_microbatches=end_micro,
+                                  goes_on=supervisor.evaluation_guard("end", it))
+    supervisor.finish(it, consumed, evaluated=final is not None)  # the ``finished`` marker
+    final = final or {}
     log.close()
     return log.summary(it, consumed, decision.reason if decision.exit else None, final, evaluation.losses,
                        supervisor.named_stragglers)

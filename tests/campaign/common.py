@@ -86,6 +86,7 @@ class Place:
             return None
         got = json.loads(path.read_text())
         got["losses"] = {int(k): v for k, v in got["losses"].items()}
+        got["valid_losses"] = {int(k): v for k, v in got.get("valid_losses", {}).items()}
         return got
 
 

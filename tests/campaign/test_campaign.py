@@ -1,12 +1,17 @@
 """A training campaign through examples/frontier/smoke_1node.sbatch on the stand-in Slurm: a tiny GPT on 2 ranks,
-jobs whose end time is ~45 s after their start, saves slowed to ~8 s. One straight run (one job under -q debug, so
-no chain) and one campaign, reused by every test here:
+jobs whose end time is ~45 s after their start, saves slowed to ~8 s, and upstream's default evaluation at the end of
+training (--eval-iters 100 on the validation and the test split, no periodic one before --eval-interval 1000) slowed
+to ~20 s, more than the deadline's margin. One straight run (one job under -q debug, so no chain) and one campaign,
+reused by every test here:
 
 - job 1 gets SIGUSR1 on its batch shell only (B:), job 2 SIGUSR1 on rank 1 only, job 3 SIGTERM on rank 1 only;
   every later job runs until its deadline (or the end of training);
 - the losses of every iteration equal the straight run's bit for bit; every job exits 0, before its end time,
   with a whole checkpoint; each job submits one successor and the one pending at the end is cancelled;
-- from the second job on, the save time predicted at start is within 50% of the measured one.
+- from the second job on, the save time predicted at start is within 50% of the measured one;
+- the end-of-training evaluation is logged by the last job alone, with the straight run's numbers bit for bit, and
+  ``finished`` is written by that job (the job that reached the last iteration runs it when it fits, else moves it);
+  afterwards, a job on the state a move leaves (``finished`` removed) runs only that evaluation and finishes the run.
 
 On a loaded machine the start-up of a job (imports, process group, engine) takes longer than 45 s allows: the
 job length grows by the straight run's measured start-up beyond 15 s, and the step is slowed (a sleep, no CPU) so
@@ -28,11 +33,14 @@ import pytest
 from megatron.checkpointing.live import verify
 from megatron.checkpointing.locate import expected_files
 from tests.campaign.common import Place, iterations_logged, log_of
+from tests.models import CAMPAIGN_GPT
 
 ITERS = 32
 SAVE_SLEEP = 8.0
 SIGNALS = {0: ("batch", signal.SIGUSR1), 1: (1, signal.SIGUSR1), 2: (1, signal.SIGTERM)}
 SIGNAL_AFTER = 3  # iterations of the job logged before its signal
+EVAL = ("--eval-interval", "1000", "--eval-iters", "100")  # upstream's defaults: only the end of training evaluates
+EVAL_MICRO_BATCHES = 2 * 100 * 2  # valid and test, 100 global batches of 2 micro-batches on each of the 2 ranks
 _START = re.compile(r"> job (\d+) ends at .*? \(in (\d+) s, [^)]*\); predicted save ([\d.]+) s \(([^)]*)\)")
 _SAVED = re.compile(r"> checkpoint save took ([\d.]+) s \(predicted ([\d.]+) s\)")
 
@@ -45,7 +53,7 @@ def _clock(secs: int) -> str:
 def campaign(tmp_path_factory):
     root = tmp_path_factory.mktemp("campaign")
     straight = Place(root / "straight", ITERS, RUN_DIR=str(root / "straight" / "runs" / "straight"))
-    straight_id = straight.sbatch("-q", "debug", "-t", "20:00")
+    straight_id = straight.sbatch("-q", "debug", "-t", "20:00", args=(*CAMPAIGN_GPT, *EVAL))
     straight_jobs = straight.run(max_jobs=3)
     start = _START.search(log_of(straight_jobs[0]))
     assert start, log_of(straight_jobs[0])[-3000:]
@@ -54,10 +62,13 @@ def campaign(tmp_path_factory):
     # A deadline job trains ~(limit - start-up - save - margin) seconds; its start-up may be half the straight run's.
     # At this step it does about 12 iterations at most: the ~20 left after the signalled jobs take 2-3 jobs.
     step_sleep = max(0.3, (limit - SAVE_SLEEP - 15 - startup / 2) / 12)
+    # The end-of-training evaluation: longer than the deadline's 15 s margin, well inside a job after its start-up.
+    end_eval = max(20.0, 0.3 * (limit - startup))
 
-    slow = f"phase=step,action=sleep:{step_sleep:.2f};rank=0,phase=save,action=sleep:{SAVE_SLEEP}"  # docs/faults.md
+    slow = (f"phase=step,action=sleep:{step_sleep:.2f};rank=0,phase=save,action=sleep:{SAVE_SLEEP};"  # docs/faults.md
+            f"phase=eval,action=sleep:{end_eval / EVAL_MICRO_BATCHES:.4f}")
     place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "runs" / "camp"), MEGATRON_FAULT=slow)
-    first = place.sbatch("-t", _clock(limit))
+    first = place.sbatch("-t", _clock(limit), args=(*CAMPAIGN_GPT, *EVAL))
     order: list[str] = []
 
     def watch(running):
@@ -76,7 +87,8 @@ def campaign(tmp_path_factory):
     jobs = place.run(max_jobs=12, watch=watch)
     return SimpleNamespace(root=root, place=place, straight=straight, straight_id=straight_id,
                            straight_jobs=straight_jobs, first=first, jobs=jobs, limit=limit, startup=startup,
-                           step_sleep=step_sleep, ckpt=Path(root / "campaign" / "runs" / "camp" / "checkpoints"))
+                           step_sleep=step_sleep, end_eval=end_eval,
+                           ckpt=Path(root / "campaign" / "runs" / "camp" / "checkpoints"))
 
 
 def _ran(c) -> list[dict]:
@@ -88,8 +100,8 @@ def test_cpu_and_shape(campaign):
     jobs = _ran(campaign)
     cpu = sum(j.get("rank_cpu_s", 0) for j in jobs)
     print(f"campaign: {len(jobs)} jobs of {campaign.limit} s (start-up {campaign.startup} s, step sleep "
-          f"{campaign.step_sleep:.2f} s), ranks' CPU {cpu:.0f} s; straight run "
-          f"{campaign.straight_jobs[0].get('rank_cpu_s', 0):.0f} s")
+          f"{campaign.step_sleep:.2f} s, end-of-training evaluation ~{campaign.end_eval:.0f} s), ranks' CPU "
+          f"{cpu:.0f} s; straight run {campaign.straight_jobs[0].get('rank_cpu_s', 0):.0f} s")
     assert len(jobs) >= 4, [(j["id"], j["state"]) for j in jobs]  # 3 signalled jobs, then deadline jobs
 
 
@@ -162,12 +174,35 @@ def test_deadline_stops_in_time_and_predicts_the_slow_save(campaign):
         assert r0["iterations"] == r1["iterations"] and r0["exit_reason"].startswith("the job ends at")
     for job in ran[1:]:
         text = log_of(job)
+        if not iterations_logged(text):
+            continue  # a job that only ran the end-of-training evaluation: no step, no save to predict
         start, saves = _START.search(text), _SAVED.findall(text)
         assert start and saves, text[-3000:]
         predicted, measured = float(start.group(3)), float(saves[0][0])
         assert measured >= SAVE_SLEEP
         assert abs(predicted - measured) <= 0.5 * measured, (job["id"], predicted, measured, start.group(4))
         assert start.group(4).startswith("measured by job")
+
+
+def test_the_end_of_training_evaluation_is_logged_once_with_the_straight_runs_numbers(campaign):
+    straight = campaign.straight.result(campaign.straight_id)["final_eval"]
+    assert set(straight) == {"valid", "test"}, straight
+    ran = _ran(campaign)
+    evaluated = [j for j in ran if campaign.place.result(j["id"])["final_eval"]]
+    assert [j["id"] for j in evaluated] == [ran[-1]["id"]], [(j["id"], log_of(j)[-2000:]) for j in ran]
+    assert campaign.place.result(ran[-1]["id"])["final_eval"] == straight  # the same batches: equal bit for bit
+    for split in ("validation", "test"):
+        line = f"validation loss at iteration {ITERS} on 400-sample draw from {split} set"
+        assert [log_of(j).count(line) for j in ran] == [0] * (len(ran) - 1) + [1], split
+    finished = json.loads((campaign.ckpt / "finished").read_text())
+    assert (finished["iteration"], finished["job"]) == (ITERS, ran[-1]["id"])
+    moved = [j for j in ran if "does not fit before the job's end" in log_of(j)]
+    print(f"the end-of-training evaluation ran in job {ran[-1]['id']}, "
+          f"{'moved from job ' + moved[0]['id'] if moved else 'in the job that reached the last iteration'}")
+    if moved:  # the job that reached the last iteration had too little time left: the next one ran only it
+        assert [j["id"] for j in moved] == [ran[-2]["id"]] and iterations_logged(log_of(ran[-2]))[-1] == ITERS
+        assert "moved to the next job; the run is marked finished after it" in log_of(ran[-2])
+        assert not iterations_logged(log_of(ran[-1]))
 
 
 def test_debug_qos_runs_alone(campaign):
@@ -186,3 +221,21 @@ def test_a_job_on_a_finished_run_exits_at_once(campaign):
     assert f"campaign: run smoke_1node is finished at iteration {ITERS}" in log_of(job)
     assert not [c for c in place.calls("srun") + place.calls("sbatch") if c["from_job"] == again]
     assert os.path.exists(campaign.ckpt / "finished")
+
+
+def test_a_job_that_only_evaluates_finishes_the_run(campaign):
+    """The state a job that moved the end-of-training evaluation leaves (the last iteration saved, no ``finished``),
+    made here whatever the campaign's timing did: its successor runs no step, evaluates with the straight run's
+    numbers and writes ``finished`` (no slowed evaluation: the cheap way)."""
+    place = campaign.place
+    (campaign.ckpt / "finished").unlink()
+    again = place.sbatch("-t", _clock(campaign.limit), args=(*CAMPAIGN_GPT, *EVAL), MEGATRON_FAULT="")
+    job, = place.run(max_jobs=1)
+    text = log_of(job)
+    assert job["id"] == again and job["rc"] == 0 and job["ended"] <= job["end_time"], text[-3000:]
+    assert not iterations_logged(text) and place.result(again)["final_eval"] == \
+        campaign.straight.result(campaign.straight_id)["final_eval"]
+    for split in ("validation", "test"):
+        assert text.count(f"validation loss at iteration {ITERS} on 400-sample draw from {split} set") == 1
+    finished = json.loads((campaign.ckpt / "finished").read_text())
+    assert (finished["iteration"], finished["job"]) == (ITERS, again)

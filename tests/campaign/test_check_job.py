@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tools import check_job
+from tools import check_job, shell_env
 
 CLEAN = """#!/bin/bash
 #SBATCH -J run
@@ -94,6 +94,16 @@ def test_a_clean_job_is_silent(tmp_path):
     assert _problems(tmp_path, {}, {}, {}) == []
 
 
+def test_a_variable_the_script_may_set_is_not_judged(tmp_path):
+    """Set under a condition or from ``$(...)`` (shell_env's ``maybe``): no "unset" line, and no value to judge."""
+    env = {k: v for k, v in ENV.items() if not k.startswith(("MIOPEN", "FI_CXI"))}
+    maybe = {"MIOPEN_USER_DB_PATH", "MIOPEN_CUSTOM_CACHE_DIR", "FI_CXI_RDZV_PROTO"}
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n")
+    assert check_job.problems("job.sbatch", CLEAN, env, SAVE, mounts_file=str(mounts), maybe=maybe) == []
+    assert len(check_job.problems("job.sbatch", CLEAN, env, SAVE, mounts_file=str(mounts))) == 3
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_mistake_is_one_line(tmp_path, name):
     edits, env_changes, kw, words = CASES[name]
@@ -119,3 +129,72 @@ def test_the_command_line_exit_codes(tmp_path):
     assert clean.returncode == 0 and clean.stderr == ""
     bad = run("--save", str(tmp_path / "home" / "ckpt"), "--time", "04:00:00")
     assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 2, bad.stderr
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ORDINARY = """#!/bin/bash
+#SBATCH -N 8
+#SBATCH -t 02:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --network=disable_rdzv_get
+set -euo pipefail
+export FI_CXI_RDZV_PROTO=alt_read
+export MIOPEN_USER_DB_PATH=/tmp/$USER-miopen MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"
+srun -N 8 -n 64 -c7 --gpus-per-task=1 --gpu-bind=closest python pretrain_gpt.py --save "$CKPT_DIR"
+"""
+
+
+def _by_hand(script: str, cwd: str, home: str, **env: str) -> subprocess.CompletedProcess:
+    """tools/check_job.py run by hand as docs/campaigns.md says: outside a job, in a bare login environment."""
+    bare = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "USER": "u", **env}
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "check_job.py"), script], env=bare, cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_a_correct_script_run_by_hand_is_clean(tmp_path):
+    """What the script and env.sh export counts: gpt22b.sbatch from the checkout and from elsewhere (its
+    "$MEGATRON_DIR/examples/frontier/env.sh" is then found in the checkout), and a script that exports the variables
+    itself, print nothing."""
+    gpt22b = os.path.join(REPO, "examples", "frontier", "gpt22b.sbatch")
+    for cwd in (REPO, str(tmp_path)):
+        got = _by_hand(gpt22b, cwd, str(tmp_path / "home"))
+        assert (got.returncode, got.stderr) == (0, ""), (cwd, got.stderr)
+    script = tmp_path / "ordinary.sbatch"
+    script.write_text(ORDINARY)
+    got = _by_hand(str(script), str(tmp_path), str(tmp_path / "home"))
+    assert (got.returncode, got.stderr) == (0, ""), got.stderr
+    # what the caller exports still counts where env.sh keeps it, and a script without env.sh is judged as before
+    memhooks = _by_hand(gpt22b, REPO, str(tmp_path / "home"), FI_MR_CACHE_MONITOR="memhooks")
+    assert memhooks.returncode == 1 and memhooks.stderr.count("\n") == 1 and "memhooks deadlocks" in memhooks.stderr
+    script.write_text(ORDINARY.replace("export FI_CXI_RDZV_PROTO=alt_read\n", ""))
+    bare = _by_hand(str(script), str(tmp_path), str(tmp_path / "home"))
+    assert "disable_rdzv_get without FI_CXI_RDZV_PROTO=alt_read" in bare.stderr and bare.stderr.count("\n") == 1
+
+
+def test_the_script_environment_walk():
+    text = """
+export A=1 B="${A}2" C=${UNSET:-x} D=${SET-y} E=${EMPTY:-z} F=${EMPTY-w}
+G=plain
+export G
+H=hidden
+if [[ -n ${X:-} ]]; then export COND=1; fi
+[[ -n ${X:-} ]] && export AFTER_AND=1 || true
+export SAME=${SAME:-v}
+if true; then export SAME=v; fi
+export DYN=$(hostname) TICK=`date` ARG=$1
+f() {
+    export INSIDE_FUNCTION=1
+}
+( export IN_SUBSHELL=1 )
+echo x | export IN_PIPE=1
+case $X in
+    a) export IN_CASE=1 ;;
+esac
+export GONE=1
+unset GONE
+"""
+    env = shell_env.script_environment("job.sbatch", text, {"SET": "s", "EMPTY": ""}, "/work")
+    assert {k: env[k] for k in "ABCDEFG"} == {"A": "1", "B": "12", "C": "x", "D": "s", "E": "z", "F": "", "G": "plain"}
+    assert env["SAME"] == "v" and "H" not in env and "GONE" not in env
+    assert env.maybe == {"COND", "AFTER_AND", "DYN", "TICK", "ARG", "IN_CASE"}
+    assert not {"INSIDE_FUNCTION", "IN_SUBSHELL", "IN_PIPE"} & (set(env) | env.maybe)

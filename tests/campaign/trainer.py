@@ -4,7 +4,8 @@ and the environment adds:
 
 - TEST_FAIL_AT_START: exit 1 at once (a job that dies before training);
 - TEST_RESULTS: folder for each rank's summary ``<job>.rank<r>.json``: the exact per-iteration losses (the log
-  prints 7 digits), the last iteration and the exit reason.
+  prints 7 digits), the validation losses (periodic, and the end of training's), the last iteration and the exit
+  reason.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def main(argv: list[str]) -> None:
         rank = os.environ.get("SLURM_PROCID", "0")
         with open(os.path.join(out, f"{os.environ.get('SLURM_JOB_ID', '-')}.rank{rank}.json"), "w") as f:
             json.dump({"losses": {str(k): v for k, v in summary.get("losses", {}).items()},
-                       "iterations": summary.get("iterations"), "exit_reason": summary.get("exit_reason")}, f)
+                       "valid_losses": {str(k): v for k, v in summary.get("valid_losses", {}).items()},
+                       "final_eval": summary.get("final_eval", {}), "iterations": summary.get("iterations"),
+                       "exit_reason": summary.get("exit_reason")}, f)
 
 
 if __name__ == "__main__":

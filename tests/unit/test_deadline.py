@@ -4,6 +4,7 @@ its own). Also the small run files (finished marker, save-time record) and the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from megatron.progress import this_host
 from megatron.resilience import deadline as dl
 from megatron.resilience import failure_record as fr
 from megatron.resilience import run_files
+from megatron.resilience.eval_budget import GO, MOVE, STOP_AFTER
 from tests.models import GPT_H64
 
 END = 10_000.0
@@ -307,3 +309,128 @@ def test_a_save_in_flight_is_drained_before_the_stop_and_counted(monkeypatch, tm
     assert [v[7] for v in sent[-drained:]][0] == UNKNOWN_DRAIN  # before its first file: unknown
     # 4 s steps from END - 100: without a save in flight 4 + 10 + 5 s must fit, with one 30 s more
     assert (plain, drained) == (21, 13)
+
+
+EVALS = dl.EvalPlan(interval=10, iters=5, global_batch=4, valid=True, test=True)
+"""Every 10 iterations 5 batches of 4 samples (20 samples); at the end 20 of validation and 20 of test."""
+
+
+def _eval_deadline(tmp_path, clock, world_size=2, train_iters=100, save_interval=None, lines=None):
+    settings = dl.DeadlineSettings(job_id="77", end_time=END, margin_secs=5.0, save_dir=str(tmp_path),
+                                   train_iters=train_iters, save_interval=save_interval)
+    lines = [] if lines is None else lines
+    return dl.Deadline(settings, _end(), dl.SavePrediction(10.0, "estimated"), clock=clock, say=lines.append,
+                       evals=EVALS, world_size=world_size), lines
+
+
+def _stop_iteration(d, clock, start=0, step=2.0) -> int:
+    d.begin()
+    for it in range(start + 1, 1000):
+        clock.t += step
+        if d.should_stop(0.0, it):
+            return it
+        if EVALS.periodic(it):  # the evaluation runs between the check and the next step
+            clock.t += d.eval_secs(EVALS.periodic(it))
+            d.evaluated(d.eval_secs(EVALS.periodic(it)) or 1e-9, EVALS.periodic(it))
+    raise AssertionError("never stopped")
+
+
+def test_evaluations_are_budgeted_once_measured_and_kept_for_the_next_job(tmp_path):
+    clock = Clock(END - 100)
+    d, lines = _eval_deadline(tmp_path, clock)
+    assert d.eval_secs(20) == 0.0 and "not measured yet" in d.eval.source  # judged on its first batches instead
+    d.evaluated(30.0, 20)  # 1.5 s a sample on 2 ranks
+    assert d.eval_secs(20) == 30.0 and lines[-1] == "> evaluation took 30.0 s (predicted 0.0 s)"
+    kept = run_files.read_run_times(str(tmp_path))
+    assert (kept["eval_sample_secs"], kept["eval_world"], kept["eval_job"]) == (1.5, 2, "77")
+    assert run_files.read_save_time(str(tmp_path)) is None  # no save measured yet: the save record is not faked
+    # from END - 100, 2 s steps: after 9 the evaluation of 10 (30 s) joins the step, a save (10 s) and the margin
+    # (5 s): 47 s, and 82 s are left; after 19 (10's evaluation done) 32 s are left: stop before 20's evaluation
+    stop = _stop_iteration(d, clock)
+    assert stop == 19 and d.reason.endswith("the next step (2.0 s), the next evaluation (30.0 s), a save (10.0 s) and "
+                                            "the margin (5.0 s) would not fit in the 32 s left"), (stop, d.reason)
+    # (unbudgeted, the step, a save and the margin, 17 s, fit: 20's 30 s evaluation would have run past the end)
+    # the next job, at 4 ranks: the same global batches over twice the ranks, half the time
+    d4, _ = _eval_deadline(tmp_path, Clock(0.0), world_size=4)
+    assert d4.eval_secs(20) == 15.0 and d4.eval.source == "measured by job 77 at 2 ranks, scaled to 4"
+
+
+def test_this_iterations_evaluation_and_interval_save_count_and_the_last_iteration_never_stops(tmp_path):
+    clock = Clock(END - 40)
+    d, _ = _eval_deadline(tmp_path, clock, save_interval=10, train_iters=20)
+    d.evaluated(10.0, 20)
+    d.begin()
+    clock.t += 2.0
+    assert not d.should_stop(0.0, 9)  # 2 + 10 (next evaluation) + 10 (a save) + 5 <= 38
+    clock.t += 2.0
+    assert d.should_stop(0.0, 10)  # its evaluation, its interval save, a step, a save, the margin: 37 > 36
+    assert d.reason == (f"the job ends at {dl._clock(END)}: this iteration's evaluation (10.0 s), its interval save "
+                        "(10.0 s), the next step (2.0 s), a save (10.0 s) and the margin (5.0 s) would not fit in the "
+                        "36 s left"), d.reason
+    clock.t = END - 1
+    assert not d.should_stop(0.0, 20)  # no step follows the last iteration: the end saves, and judges its evaluation
+
+
+def test_an_evaluation_under_way_goes_on_stops_after_or_moves(tmp_path):
+    clock = Clock(END - 50)
+    d, _ = _eval_deadline(tmp_path, clock)
+    d.begin()
+    clock.t += 2.0
+    d.should_stop(0.0, 9)  # a 2 s step known
+    judge = d.judge_evaluation
+    # periodic, after step 10: the rest (rest) then the next step (2 s), a save (10 s) and the margin (5 s)
+    assert judge("periodic", 10, "the evaluation at iteration 10", 3.0, 20.0, 0.0, True)[0] == GO  # 37 <= 48
+    verdict, reason, line = judge("periodic", 10, "the evaluation at iteration 10", 3.0, 32.0, 0.0, True)
+    assert verdict == STOP_AFTER and line == "" and reason.startswith(
+        f"the job ends at {dl._clock(END)}: after the evaluation at iteration 10 (~35 s), the next step (2.0 s), a "
+        "save (10.0 s), the margin (5.0 s) would not fit in the 16 s left"), reason
+    verdict, reason, line = judge("periodic", 10, "the evaluation at iteration 10", 3.0, 34.0, 0.0, True)
+    assert verdict == MOVE and line == ("> the evaluation at iteration 10 (~37 s predicted, 3 s of it done) does not "
+                                        "fit before the job's end (48 s left, with a save and the margin): moved to "
+                                        "the next job, which runs it first")
+    assert judge("periodic", 10, "x", 3.0, 30.0, 20.0, True)[0] == MOVE  # 20 s of a save in flight first
+    # the end of training needs only the margin after it
+    assert judge("end", 100, "e", 3.0, 43.0, 0.0, True)[0] == GO
+    verdict, _, line = judge("end", 100, "the end-of-training evaluation (valid and test)", 3.0, 44.0, 0.0, True)
+    assert verdict == MOVE and line.endswith("(48 s left): moved to the next job; the run is marked finished after it")
+    _, _, alone = judge("end", 100, "the end-of-training evaluation (valid and test)", 3.0, 44.0, 0.0, False)
+    assert alone.endswith("although this job did nothing else: it is longer than the job's time limit allows; ask "
+                          "for more time (sbatch -t) or fewer --eval-iters")
+    # moved here, before the first step: the margin to run it, then a step and a save to train after it
+    assert judge("moved", 10, "m", 3.0, 40.0, None, False)[0] == STOP_AFTER
+    assert judge("moved", 10, "m", 3.0, 30.0, None, False)[0] == GO
+
+
+def test_an_unreadable_end_time_is_named():
+    run = run_config_from_args(parse_args(TINY), 1, 256)
+    s = dl.DeadlineSettings.from_run(run, {"SLURM_JOB_ID": "9", "SLURM_JOB_END_TIME": "tomorrow"})
+    assert (s.end_time, s.unreadable_end_time) == (None, "tomorrow")
+    assert dl.DeadlineSettings.from_run(run, {"SLURM_JOB_END_TIME": " 1764150000 "}).end_time == 1764150000.0
+    assert dl.DeadlineSettings.from_run(run, {"SLURM_JOB_END_TIME": ""}).unreadable_end_time is None
+    end = dl.EndTime(dataclasses.replace(s, reread_secs=0), query=lambda job: 2000.0)
+    assert end.value == 2000.0 and end.source == "squeue (SLURM_JOB_END_TIME='tomorrow' is not a time)"
+
+
+def test_an_unreadable_end_time_without_squeue_is_said_as_such(capsys, monkeypatch):
+    monkeypatch.setattr(dl, "squeue_end_time", lambda job: None)
+    assert dl.start_deadline(dl.DeadlineSettings(job_id="5", unreadable_end_time="tomorrow"), None, 2, 0) is None
+    assert dl.start_deadline(dl.DeadlineSettings(job_id="5"), None, 2, 0) is None
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["> job 5: end time unknown (SLURM_JOB_END_TIME='tomorrow' is not a time in seconds since the epoch, "
+                   "squeue gave none): stopping only on signals, --exit-duration-in-mins or --exit-interval",
+                   "> job 5: end time unknown (no SLURM_JOB_END_TIME, squeue gave none): stopping only on signals, "
+                   "--exit-duration-in-mins or --exit-interval"]
+
+
+def test_run_times_merge_and_the_moved_evaluation_record(tmp_path):
+    run_files.write_save_time(str(tmp_path), 8.0, "1", 40, 0.5)
+    run_files.update_run_times(str(tmp_path), eval_sample_secs=0.25, eval_world=2, eval_job="2")
+    kept = run_files.read_run_times(str(tmp_path))
+    assert (kept["save_secs"], kept["step_secs"], kept["eval_sample_secs"], kept["eval_job"]) == (8.0, 0.5, 0.25, "2")
+    run_files.write_save_time(str(tmp_path), 9.0, "3", 50, None)
+    assert run_files.read_run_times(str(tmp_path))["eval_sample_secs"] == 0.25  # a save keeps the evaluation's
+    assert run_files.read_moved_evaluation(str(tmp_path)) is None
+    run_files.write_moved_evaluation(str(tmp_path), 500, "3")
+    assert run_files.read_moved_evaluation(str(tmp_path))["iteration"] == 500
+    run_files.clear_moved_evaluation(str(tmp_path))
+    assert run_files.read_moved_evaluation(str(tmp_path)) is None and run_files.read_moved_evaluation(None) is None

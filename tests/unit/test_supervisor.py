@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import time
 
 import pytest
 
@@ -41,6 +42,7 @@ def _train(supervisor: Supervisor, iterations: int) -> tuple[int, list]:
         if decisions[-1].exit:
             break
     supervisor.end(it, 4 * it)
+    supervisor.finish(it, 4 * it, evaluated=False)  # no evaluation splits: nothing to evaluate at the end
     return it, decisions
 
 
@@ -99,3 +101,80 @@ def test_collectives_are_tracked_only_for_a_reader(tmp_path):
     assert tracks_collectives(rt)
     quiet = dataclasses.replace(rt, watchdog_timeout_secs=0, straggler_interval=0)
     assert not tracks_collectives(quiet)
+
+
+def _chained(tmp_path, monkeypatch, left: float, start: int, saves: list) -> Supervisor:
+    """A job of a chain (under Slurm, --save = --load) that resumes after ``start`` with ``left`` seconds to its end;
+    evaluations every 2 iterations, 10 batches each, valid and test."""
+    monkeypatch.setenv("SLURM_JOB_ID", str(41 + start))
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "4102444800")  # replaced below: the fixed clock is the end's
+    run = _run(tmp_path, "--load", str(tmp_path), "--eval-interval", "2", "--eval-iters", "10",
+               "--job-end-margin-secs", "5")
+    supervisor = Supervisor(run, rank=0, world_size=1)
+    supervisor.begin(start, lambda it, consumed, saver: saves.append(it), valid=True, test=True)
+    supervisor.deadline.end.close()
+    supervisor.deadline.end.value = time.time() + left
+    return supervisor
+
+
+def test_an_evaluation_that_does_not_fit_moves_to_the_next_job_which_runs_it_first(tmp_path, monkeypatch, one_rank,
+                                                                                   capsys):
+    saves = []
+    job = _chained(tmp_path, monkeypatch, 30.0, 0, saves)
+    job.after_step(1, 2.5)
+    assert not job.decide(1, 4).exit and job.evaluation_guard("periodic", 1) is not None
+    job.after_step(2, 2.5)
+    goes_on = job.evaluation_guard("periodic", 2)
+    assert goes_on(1.0, 5.0, 8) is False  # 40 s more, with a save and the margin, in 30 s: no
+    decision = job.decide(2, 8)
+    assert (decision.save, decision.exit, saves) == (True, True, [2])
+    assert decision.reason.startswith("the evaluation at iteration 2 (~41 s predicted, 1 s of it done) does not fit")
+    job.end(2, 8)
+    job.finish(2, 8, evaluated=False)
+    record = run_files.read_moved_evaluation(str(tmp_path))
+    assert (record["iteration"], record["job"]) == (2, "41")
+    assert run_files.read_finished(str(tmp_path)) is None
+    out = capsys.readouterr().out
+    assert "> the evaluation at iteration 2 (~41 s predicted, 1 s of it done) does not fit before the job's end " \
+           "(30 s left, with a save and the margin): moved to the next job, which runs it first" in out
+    # the next job resumes from iteration 2: the evaluation first, whole, then training
+    nxt = _chained(tmp_path, monkeypatch, 3600.0, 2, saves)
+    assert nxt.moved_evaluation == 2
+    assert "> the evaluation at iteration 2 was moved here from job 41: it runs before the first step" in \
+        capsys.readouterr().out
+    assert nxt.evaluation_guard("moved", 2)(1.0, 5.0, 8) is True
+    nxt.moved_evaluation_done()
+    assert nxt.stopped_before_training() is None and run_files.read_moved_evaluation(str(tmp_path)) is None
+    nxt.control.close()
+
+
+def test_the_end_of_training_evaluation_moves_and_the_run_is_finished_after_it(tmp_path, monkeypatch, one_rank,
+                                                                               capsys):
+    saves = []
+    job = _chained(tmp_path, monkeypatch, 30.0, 3, saves)
+    job.after_step(4, 2.5)
+    assert job.evaluation_guard("periodic", 4)(1.0, 0.5, 8) is True  # 4 s more: it fits
+    assert not job.decide(4, 16).exit
+    job.end(4, 16)
+    assert saves == [4]  # the end of training is saved before its evaluation
+    assert job.evaluation_guard("end", 4)(1.0, 2.0, 18) is False  # valid and test: 36 s more in 30 s
+    job.finish(4, 16, evaluated=False)
+    assert run_files.read_finished(str(tmp_path)) is None  # the chain goes on: the next job evaluates
+    assert ("> the end-of-training evaluation (valid and test) (~37 s predicted, 1 s of it done) does not fit before "
+            "the job's end (30 s left): moved to the next job; the run is marked finished after it") in \
+        capsys.readouterr().out
+    nxt = _chained(tmp_path, monkeypatch, 3600.0, 4, saves)
+    assert nxt.moved_evaluation is None  # the periodic evaluation of 4 ran in the job before
+    nxt.end(4, 16)
+    assert nxt.evaluation_guard("end", 4)(1.0, 2.0, 18) is True
+    nxt.finish(4, 16, evaluated=True)
+    assert run_files.read_finished(str(tmp_path))["iteration"] == 4 and saves == [4]
+
+
+def test_outside_slurm_evaluations_run_whole_with_no_collective_of_their_own(tmp_path, one_rank):
+    supervisor = Supervisor(_run(tmp_path, "--load", str(tmp_path), "--eval-interval", "2"), rank=0, world_size=1)
+    run_files.write_moved_evaluation(str(tmp_path), 2, "7")
+    supervisor.begin(2, lambda it, consumed, saver: None, valid=True, test=True)
+    assert supervisor.moved_evaluation is None and supervisor.evaluation_guard("periodic", 2) is None
+    assert supervisor.evaluation_guard("end", 4) is None and one_rank == []
+    supervisor.control.close()

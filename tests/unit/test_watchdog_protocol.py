@@ -1,10 +1,13 @@
 """The watchdog's store protocol with three in-process "ranks" (threads and their own progress records) on a real
 TCPStore: three store operations per rank per beat in normal running, then a census and one verdict naming the rank
-that stopped moving, its stack file and its failure record, when no rank moves for --hang-timeout."""
+that stopped moving, its stack file (without --save: in the temporary folder the line names, never the working
+directory) and its failure record, when no rank moves for --hang-timeout."""
 
 import glob
 import json
+import os
 import re
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -35,7 +38,8 @@ class Ranks:
     """``world`` in-process ranks: a progress record and a watchdog each, on one real TCPStore; ``died`` collects the
     line each watchdog thread would exit the process with (that rank's watchdog stops instead)."""
 
-    def __init__(self, world: int, tmp_path, timeout: float = 30.0, hang_timeout: float = 1.0) -> None:
+    def __init__(self, world: int, tmp_path, timeout: float = 30.0, hang_timeout: float = 1.0,
+                 run_folder: str | None = None) -> None:
         port = free_port()
         self.master = tdist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10),
                                      wait_for_workers=False)
@@ -47,7 +51,7 @@ class Ranks:
             p.start_iteration(7)  # past the warm-up: the normal allowance applies
             p.first_iteration = 1
             self.progress.append(p)
-            settings = wd.WatchdogSettings(timeout, hang_timeout, 100.0, 100.0, 60.0, str(tmp_path),
+            settings = wd.WatchdogSettings(timeout, hang_timeout, 100.0, 100.0, 60.0, run_folder,
                                            FailureLog.in_folder(str(tmp_path)))
             self.dogs.append(wd.Watchdog(r, world, settings, "127.0.0.1", port, progress=p, die=self.died_with))
 
@@ -70,8 +74,12 @@ class Ranks:
                 t.join(timeout=10)
 
 
-def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path):
+def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path, monkeypatch):
     world = 3
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # no --save: the stacks go here
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     ranks = Ranks(world, tmp_path)
     dogs, progress, died = ranks.dogs, ranks.progress, ranks.died
     try:
@@ -106,7 +114,10 @@ def test_beats_stay_o1_then_one_verdict_names_the_still_rank(tmp_path):
     assert line.startswith("rank 1 (host node1, GCD 1) is stuck in data for "), line
     assert "2 ranks wait for it, e.g. rank 0 in all_reduce #4 of the world group during forward" in line
     assert line.endswith("every rank exits")
-    stacks = glob.glob(str(tmp_path / "hang-*" / "rank1.txt"))
+    named = re.search(r"Python stacks in (\S+) on each rank's host \(no --save\)", line)
+    assert named and os.path.dirname(named.group(1)) == str(tmp_path / "tmp"), line
+    assert os.listdir(tmp_path / "cwd") == []  # never the working directory
+    stacks = glob.glob(os.path.join(named.group(1), "rank1.txt"))
     text = open(stacks[0]).read() if stacks else ""
     assert "test_watchdog_protocol.py" in text and text.count("Thread 0x") >= 3, text  # every thread's stack
     records = [json.loads(x) for x in open(tmp_path / "failures.jsonl")]
