@@ -74,7 +74,7 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, target.path)
-        check_experts(meta.get("model", {}).get("moe") or {}, run.parallel.ep, run, target.path)
+        check_experts(meta.get("model", {}).get("moe") or {}, run, target.path)
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
         if settings.verify != "off":
