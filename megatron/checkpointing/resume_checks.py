@@ -193,7 +193,8 @@ def check_saved_layout(saved: dict, run, where: str) -> None:
         diffs.append(f"--zero-hierarchy-int8 {'on' if h['int8'] else 'off'} (now "
                      f"{'on' if p.zero_hierarchy_int8 else 'off'})")
     if diffs:
-        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}. "
+        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}; its "
+                          "tiers' shards are not read at another layout in place (a DeepSpeed ZeRO 0-2 checkpoint is). "
                           f"{HZERO_RESHARD.format(where=where)}")
 
 

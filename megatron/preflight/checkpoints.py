@@ -51,8 +51,9 @@ def check_save_space(settings: CheckpointSettings, run: RunConfig) -> None:
 
 
 def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
-    """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
-    precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
+    """The metadata ``--load`` would resume from, against this run's flags (shapes, experts, precision unless
+    --no-load-optim; another TP x PP x DP x EP x ZeRO layout passes when relayout/ reads it in place, else one line
+    names what does not carry over), and the marker files: ``latest``, its tag, megatron_meta.json."""
     target = classify_load(settings)
     if target.kind == "none":
         return

@@ -1,0 +1,136 @@
+"""Cost of resuming at another layout in place (issue 43): read time and memory per rank of ``--load`` through
+megatron/checkpointing/relayout/ against the same checkpoint loaded at its own layout (DeepSpeed's path).
+
+    python bench/relayout_load.py [--reps 2] [--hidden 512] [--layers 8] [--vocab 8192] [--dir /tmp/relayout_bench]
+
+One checkpoint is written once by 2 gloo ranks at DP 2, ZeRO-1, fp32 (Adam). Then, each in fresh processes and
+interleaved ``--reps`` times:
+
+* same: 2 ranks at DP 2 (the layout it was written at: engine.load_checkpoint);
+* dp1: 1 rank at DP 1 (in place: the one rank reads every slice);
+* tp2: 2 ranks at TP 2 x DP 1 (in place: each rank reads half of every weight and of its moments).
+
+Per rank: wall time of Checkpointer.load_into_model + Checkpointer.resume (the reading; deepspeed.initialize between
+them is not counted), the peak resident memory during those two calls above the resident memory before them
+(/proc/self/status VmRSS sampled every 2 ms), and for the in-place loads the bytes the reader copied. Files are in
+the page cache (warm): the read time is the copy and the unpickling, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model(hidden: int, layers: int, vocab: int) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--lr", "1e-4", "--lr-warmup-iters", "1", "--mock-data",
+            "--vocab-size", str(vocab), "--log-interval", "1000000", "--eval-iters", "0", "--use-cpu-initialization",
+            "--seed", "7", "--distributed-backend", "gloo", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--zero-stage", "1", "--deepspeed"]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _Peak:
+    """The highest VmRSS seen while running, sampled by a thread."""
+
+    def __init__(self) -> None:
+        self.peak, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.peak = _rss()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _timed_load(argv: list[str]) -> dict:
+    """One pretrain run that loads and trains one step; returns this rank's load time, memory and bytes read."""
+    from megatron.checkpointing import checkpointer
+    from tests.checkpointing.common import _pretrain
+
+    got = {"secs": 0.0, "rise": 0, "bytes": 0}
+    load, resume = checkpointer.Checkpointer.load_into_model, checkpointer.Checkpointer.resume
+
+    def timed(fn):
+        def call(self, arg):
+            before = _rss()
+            started = time.monotonic()
+            with _Peak() as peak:
+                out = fn(self, arg)
+            got["secs"] += time.monotonic() - started
+            got["rise"] = max(got["rise"], peak.peak - before)
+            reader = getattr(self.source, "reader", None)
+            got["bytes"] = reader.bytes if reader is not None else 0
+            got["format"] = type(self.source).__name__
+            return out
+        return call
+
+    checkpointer.Checkpointer.load_into_model, checkpointer.Checkpointer.resume = timed(load), timed(resume)
+    _pretrain(argv)
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dir", default="/tmp/relayout_bench")
+    args = ap.parse_args()
+    from tests.launch import run_distributed
+    from tests.checkpointing.common import pretrain_on
+
+    model = _model(args.hidden, args.layers, args.vocab)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    pretrain_on(2, model + ["--train-iters", "1", "--save", args.dir, "--save-interval", "1"], timeout=900)
+    step = os.path.join(args.dir, "global_step1")
+    size = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step))
+    print(f"checkpoint: {size / 2**20:.1f} MiB in {step} (DP 2, ZeRO-1, fp32; h {args.hidden}, {args.layers} "
+          f"layers, vocab {args.vocab}); load average {os.getloadavg()[0]:.1f}", flush=True)
+    variants = {"same": (2, []), "dp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"])}
+    results: dict[str, list[list[dict]]] = {k: [] for k in variants}
+    for _ in range(args.reps):
+        for name, (world, extra) in variants.items():
+            argv = model + extra + ["--train-iters", "2", "--load", args.dir]
+            results[name].append(run_distributed(_timed_load, world, timeout=900, argv=argv))
+    same = statistics.median(max(r["secs"] for r in rep) for rep in results["same"])
+    print(f"{'variant':8} {'format':18} {'ranks':>5} {'read s (max rank)':>18} {'x same':>7} "
+          f"{'RSS rise MiB/rank':>18} {'copied MiB/rank':>16}")
+    for name, reps in results.items():
+        secs = statistics.median(max(r["secs"] for r in rep) for rep in reps)
+        rise = statistics.median(max(r["rise"] for r in rep) for rep in reps) / 2**20
+        copied = statistics.median(max(r["bytes"] for r in rep) for rep in reps) / 2**20
+        print(f"{name:8} {reps[0][0]['format']:18} {len(reps[0]):>5} {secs:>18.2f} {secs / same:>7.2f} "
+              f"{rise:>18.1f} {copied if copied else float('nan'):>16.1f}")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
