@@ -10,8 +10,8 @@ at that time and SIGKILL ``kill_wait`` seconds later (what Slurm does at the lim
 sent: tests send their signals themselves, at the moment they choose (a 45 s job and a 120 s lead would signal at
 once). ``scontrol update`` changes a pending job's ExcNodeList, TimeLimit and NumNodes. ``srun`` starts
 ``$FAKE_SRUN_RANKS`` ranks (else ``$FAKE_SRUN_RANKS_PER_NODE`` per node, else its ``-n``) over its ``-N`` nodes,
-block distribution, with the variables megatron/topology.py discover_ranks reads (started through tests/launch/), and forwards the
-signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
+block distribution, with the variables megatron/topology.py discover_ranks reads (started through tests/launch/),
+and forwards the signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
 """
 
 from __future__ import annotations
