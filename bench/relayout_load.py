@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _model(hidden: int, layers: int, vocab: int) -> list[str]:
     return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--lr", "1e-4", "--lr-warmup-iters", "1", "--mock-data",
+            "--global-batch-size", "2", "--lr", "1e-4", "--lr-decay-iters", "10", "--mock-data",
             "--vocab-size", str(vocab), "--log-interval", "1000000", "--eval-iters", "0", "--use-cpu-initialization",
             "--seed", "7", "--distributed-backend", "gloo", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--zero-stage", "1", "--deepspeed"]
