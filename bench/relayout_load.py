@@ -11,8 +11,9 @@ interleaved ``--reps`` times:
 * tp2: 2 ranks at TP 2 x DP 1 (in place: each rank reads half of every weight and of its moments).
 
 Per rank: wall time of Checkpointer.load_into_model + Checkpointer.resume (the reading; deepspeed.initialize between
-them is not counted), the peak resident memory during those two calls above the resident memory before them
-(/proc/self/status VmRSS sampled every 2 ms), and for the in-place loads the bytes the reader copied. Files are in
+them is not counted), the peak rise during those two calls of the process's own memory (RssAnon) and of the file
+pages mapped into it (RssFile: the mmapped checkpoint files, reclaimable page cache), sampled from /proc/self/status
+every 2 ms, and for the in-place loads the bytes the reader copied. Files are in
 the page cache (warm): the read time is the copy and the unpickling, not the disk.
 """
 
@@ -38,35 +39,36 @@ def _model(hidden: int, layers: int, vocab: int) -> list[str]:
             "--zero-stage", "1", "--deepspeed"]
 
 
-def _rss() -> int:
+def _rss(kind: str) -> int:
+    """``kind``: RssAnon (the process's own memory) or RssFile (file pages mapped in: mmapped checkpoint files)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(kind + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
 class _Peak:
-    """The highest VmRSS seen while running, sampled by a thread."""
+    """The highest RssAnon and RssFile seen while running, sampled by a thread."""
 
     def __init__(self) -> None:
-        self.peak, self.stop = 0, threading.Event()
+        self.anon = self.file = 0
+        self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self.stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.anon, self.file = max(self.anon, _rss("RssAnon")), max(self.file, _rss("RssFile"))
             time.sleep(0.002)
 
     def __enter__(self):
-        self.peak = _rss()
+        self.anon, self.file = _rss("RssAnon"), _rss("RssFile")
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
-        self.peak = max(self.peak, _rss())
 
 
 def _timed_load(argv: list[str]) -> dict:
@@ -74,17 +76,18 @@ def _timed_load(argv: list[str]) -> dict:
     from megatron.checkpointing import checkpointer
     from tests.checkpointing.common import _pretrain
 
-    got = {"secs": 0.0, "rise": 0, "bytes": 0}
+    got = {"secs": 0.0, "anon": 0, "file": 0, "bytes": 0}
     load, resume = checkpointer.Checkpointer.load_into_model, checkpointer.Checkpointer.resume
 
     def timed(fn):
         def call(self, arg):
-            before = _rss()
+            anon, file = _rss("RssAnon"), _rss("RssFile")
             started = time.monotonic()
             with _Peak() as peak:
                 out = fn(self, arg)
             got["secs"] += time.monotonic() - started
-            got["rise"] = max(got["rise"], peak.peak - before)
+            got["anon"] = max(got["anon"], peak.anon - anon)
+            got["file"] = max(got["file"], peak.file - file)
             reader = getattr(self.source, "reader", None)
             got["bytes"] = reader.bytes if reader is not None else 0
             got["format"] = type(self.source).__name__
@@ -121,14 +124,15 @@ def main() -> None:
             argv = model + extra + ["--train-iters", "2", "--load", args.dir]
             results[name].append(run_distributed(_timed_load, world, timeout=900, argv=argv))
     same = statistics.median(max(r["secs"] for r in rep) for rep in results["same"])
-    print(f"{'variant':8} {'format':18} {'ranks':>5} {'read s (max rank)':>18} {'x same':>7} "
-          f"{'RSS rise MiB/rank':>18} {'copied MiB/rank':>16}")
+    print(f"{'variant':8} {'format':16} {'ranks':>5} {'read s (max rank)':>17} {'x same':>6} "
+          f"{'anon peak rise MiB':>18} {'file pages MiB':>14} {'copied MiB':>10}   (per rank, max over ranks)")
     for name, reps in results.items():
         secs = statistics.median(max(r["secs"] for r in rep) for rep in reps)
-        rise = statistics.median(max(r["rise"] for r in rep) for rep in reps) / 2**20
-        copied = statistics.median(max(r["bytes"] for r in rep) for rep in reps) / 2**20
-        print(f"{name:8} {reps[0][0]['format']:18} {len(reps[0]):>5} {secs:>18.2f} {secs / same:>7.2f} "
-              f"{rise:>18.1f} {copied if copied else float('nan'):>16.1f}")
+        anon, file, copied = (statistics.median(max(r[k] for r in rep) for rep in reps) / 2**20
+                              for k in ("anon", "file", "bytes"))
+        print(f"{name:8} {reps[0][0]['format']:16} {len(reps[0]):>5} {secs:>17.2f} {secs / same:>6.2f} "
+              f"{anon:>18.1f} {file:>14.1f} {copied if copied else float('nan'):>10.1f}")
+    print("reps (read s per rank):", {k: [[round(r["secs"], 2) for r in rep] for rep in v] for k, v in results.items()})
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
