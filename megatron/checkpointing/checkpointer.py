@@ -12,6 +12,7 @@ Every format is a small object with the same protocol (``CheckpointFormat``; the
     ds_layout.format.DeepSpeedFormat          DeepSpeed's own layout (ZeRO-0..3, pipeline, hpZ)   load, save
     hzero.format.HierarchicalZeroFormat       hierarchical ZeRO's per-rank shards                  load, save
     full_state.format.FullStateFormat         the layout-free full state (any layout)             load
+    relayout.format.RelayoutFormat            ours, written at another TP/PP/DP/EP/ZeRO layout     load
     upstream.resume.UpstreamFormat            upstream Megatron(-DeepSpeed), DeepSpeed universal   load
 """
 
@@ -24,8 +25,10 @@ from megatron.checkpointing.full_state.format import FullStateFormat
 from megatron.checkpointing.hzero.format import HierarchicalZeroFormat
 from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.checkpointing.live.commit import name_leftovers, say
-from megatron.checkpointing.live.markers import LATEST
+from megatron.checkpointing.live.markers import LATEST, read_meta
 from megatron.checkpointing.locate import classify_load
+from megatron.checkpointing.relayout.format import RelayoutFormat
+from megatron.checkpointing.resume_checks import check_resume, loads_optimizer
 from megatron.checkpointing.state import Resume
 from megatron.checkpointing.support import engine_kind
 from megatron.checkpointing.upstream.resume import UpstreamFormat
@@ -92,10 +95,16 @@ class Checkpointer:
 def open_checkpoint(run: RunConfig, pstate: ParallelState, ds_config: dict) -> Checkpointer:
     """The Checkpointer of this run: what ``--load`` holds, classified once (files and markers only), and the format
     of the engine ``ds_config`` builds (hierarchical ZeRO's shards, else DeepSpeed's layout). A checkpoint of ours
-    is read by the engine's own format (resume_checks.check_saved_layout refuses the other engine's)."""
+    is read by the engine's own format (resume_checks.check_saved_layout refuses the other engine's), or, written at
+    another layout, by relayout/ in place (resume_checks.check_resume decides)."""
     target = classify_load(run.checkpoint)
     writes = HierarchicalZeroFormat if engine_kind(run, ds_config) == "hierarchical" else DeepSpeedFormat
     if target.kind == "ours":
+        meta = read_meta(target.path)
+        change = check_resume(meta, run, loads_optimizer(run.checkpoint, meta), target.path)
+        if change is not None:  # written at another layout: read in place, slice by slice
+            return Checkpointer(run.checkpoint, RelayoutFormat(run, pstate, target.path, meta, change),
+                                writes(run, pstate))
         ours = writes(run, pstate, target.path, target.tag)
         return Checkpointer(run.checkpoint, ours, ours)
     if target.kind == "full_state":

@@ -1,10 +1,12 @@
 """Whether a checkpoint may be resumed under this run's flags, decided from its metadata alone (the preflight and
-every loader ask the same functions): model shape, experts, TP/PP layout, engine kind and hierarchical ZeRO tiers,
-and, when the optimizer is loaded, ZeRO stage, data-parallel size and precision."""
+every loader ask the same functions): model shape, experts, engine kind and hierarchical ZeRO tiers, precision when
+the optimizer is loaded, and whether another TP x PP x DP x EP x ZeRO layout is resumed in place (``LayoutChange``)
+or refused (ZeRO-3, hierarchical ZeRO; a data order that depends on DP)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from megatron.checkpointing.state import HZERO_FORMAT
 from megatron.config import CheckpointSettings, RunConfig
@@ -43,41 +45,132 @@ def loads_optimizer(settings: CheckpointSettings, meta: dict) -> bool:
     return not (settings.finetune or settings.no_load_optim) and meta.get("has_optimizer", True)
 
 
-def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> None:
-    """Refuse a checkpoint whose model shape or layout differs from this run's; allow the rest
-    (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata."""
+@dataclass(frozen=True)
+class Layout:
+    """How a run's ranks hold the model: what a checkpoint written at one layout needs to be read at another."""
+
+    tp: int
+    pp: int
+    dp: int
+    sp: int
+    ep: int
+    zero: int
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.dp * self.sp
+
+    def __str__(self) -> str:
+        sp = f" x SP {self.sp}" if self.sp > 1 else ""
+        ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        return f"TP {self.tp} x PP {self.pp} x DP {self.dp}{sp} x EP {self.ep}, ZeRO-{self.zero} ({ranks})"
+
+
+def saved_layout(saved: dict) -> Layout:
+    """The layout of the run that wrote the checkpoint described by ``saved`` (its metadata)."""
+    p, moe = saved["run"]["parallel"], saved["run"]["model"].get("moe") or {}
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    sp = p.get("ds_sequence_parallel_size", 1)
+    ep = p.get("moe_expert_parallel_size", 1) if any(n > 1 for n in moe.get("num_experts") or [1]) else 1
+    return Layout(tp, pp, p["world_size"] // (tp * pp * sp), sp, ep, p["zero_stage"])
+
+
+def run_layout(run: RunConfig) -> Layout:
+    p = run.parallel
+    return Layout(p.tp, p.pp, p.dp, p.ulysses, p.ep if run.model.moe.enabled else 1, p.zero_stage)
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A checkpoint of ours resumed at another layout in place (megatron/checkpointing/relayout/), and the lines that
+    say what does not carry over exactly."""
+
+    saved: Layout
+    now: Layout
+    notes: tuple[str, ...] = ()
+
+
+def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> LayoutChange | None:
+    """Refuse a checkpoint whose model shape differs from this run's, or whose layout this run cannot read; allow
+    the rest (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata.
+    Returns the layout change when the checkpoint is resumed at another TP x PP x DP x EP x ZeRO layout in place
+    (DeepSpeed's layout, ZeRO 0-2, on both sides), None when the layouts are the same."""
     check_model_shape(saved["run"]["model"], run, where)
-    p = saved["run"]["parallel"]
-    check_experts(saved["run"]["model"].get("moe") or {}, p.get("moe_expert_parallel_size", 1), run, where)
-    changed = [f"{flag} {p[key]}, now {getattr(run.parallel, key)}"
-               for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"))
-               if p[key] != getattr(run.parallel, key)]
-    if changed:  # every changed flag is named: fixing one at a time would cost a launch each
-        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}. Keep the layout, or "
-                          f"{_CONVERT.format(where=where)} (see {RESHARD_DOC})")
+    check_experts(saved["run"]["model"].get("moe") or {}, run, where)
     # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
     # even without the optimizer.
-
     check_saved_layout(saved, run, where)
-    if not load_optim:
-        return
-    # ZeRO partitions over every rank of the data-parallel dimension, DeepSpeed-Ulysses' SP ranks included.
-    saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
-    now_dp = run.parallel.dp * run.parallel.ulysses
-    if p["zero_stage"] > 0 and saved_dp != now_dp:
-        raise ConfigError(f"--load {where}: ZeRO-{p['zero_stage']} optimizer state is partitioned over "
-                          f"data-parallel size {saved_dp}, now {now_dp}. Launch the same DP size, or pass "
-                          "--no-load-optim to restart the optimizer from the saved weights")
-    if p["zero_stage"] != run.parallel.zero_stage:
-        raise ConfigError(f"--load {where}: saved with --zero-stage {p['zero_stage']}, now "
-                          f"{run.parallel.zero_stage}. Use the same stage, or pass --no-load-optim")
-    prec = saved["run"]["precision"]
+    before, now = saved_layout(saved), run_layout(run)
+    if load_optim:
+        check_precision(saved["run"]["precision"], run, where)
+    if before == now:
+        return None
+    if not relayout_possible(saved, run):
+        _refuse_zero3_change(before, now, load_optim, where)
+        return None
+    check_data_order(saved, run, before, now, where)
+    return LayoutChange(before, now, tuple(_notes(saved, run)))
+
+
+def relayout_possible(saved: dict, run: RunConfig) -> bool:
+    """Whether both sides are DeepSpeed's layout at ZeRO 0-2, which relayout/ reads and fills."""
+    return (saved.get("format") != HZERO_FORMAT and not run.parallel.zero_hierarchy
+            and saved["run"]["parallel"]["zero_stage"] < 3 and run.parallel.zero_stage < 3)
+
+
+def _refuse_zero3_change(before: Layout, now: Layout, load_optim: bool, where: str) -> None:
+    """ZeRO-3 keeps the weights in its optimizer partitions: another layout goes through a full state."""
+    changed = [f"{flag} {a}, now {b}" for flag, a, b in (
+        ("--tensor-model-parallel-size", before.tp, now.tp), ("--pipeline-model-parallel-size", before.pp, now.pp),
+        ("--moe-expert-parallel-size", before.ep, now.ep)) if a != b]
+    if load_optim and before.dp * before.sp != now.dp * now.sp:
+        changed.append(f"data-parallel size {before.dp * before.sp}, now {now.dp * now.sp}")
+    if load_optim and before.zero != now.zero:
+        changed.append(f"--zero-stage {before.zero}, now {now.zero}")
+    if changed:  # every changed flag is named: fixing one at a time would cost a launch each
+        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}; resuming ZeRO-3 at another layout "
+                          f"in place is not built. Keep the layout, or {_CONVERT.format(where=where)} "
+                          f"(see {RESHARD_DOC})")
+
+
+def check_precision(prec: dict, run: RunConfig, where: str) -> None:
     for name in ("fp16", "bf16"):
         if prec[name] != getattr(run.precision, name):
             raise ConfigError(f"--load {where}: saved with --{name} {'on' if prec[name] else 'off'}, now "
                               f"{'on' if getattr(run.precision, name) else 'off'}. Use the same precision, or "
                               "pass --no-load-optim")
+
+
+def check_data_order(saved: dict, run: RunConfig, before: Layout, now: Layout, where: str) -> None:
+    """At another data-parallel size the next samples must be the straight run's: the global batch and the order."""
+    if before.dp == now.dp:
+        return
+    if run.data.dataloader_type == "cyclic":
+        raise ConfigError(f"--load {where}: saved at data-parallel size {before.dp}, now {now.dp}, with "
+                          "--dataloader-type cyclic, whose sample order depends on the data-parallel size: keep DP "
+                          f"{before.dp} ({before.dp * now.tp * now.pp * now.sp} ranks at TP {now.tp} x PP {now.pp}), "
+                          "or use --dataloader-type single")
+    was, gbs = saved["run"]["training"]["global_batch_size"], run.training.global_batch_size
+    if run.flags.get("global_batch_size") is None and was != gbs:
+        mbs = saved["run"]["training"]["micro_batch_size"]
+        raise ConfigError(f"--load {where}: --global-batch-size was not given; it was {was} (micro-batch {mbs} x DP "
+                          f"{before.dp}) and would now be {gbs}: pass --global-batch-size {was} to keep the run's "
+                          "batch")
+
+
+def _notes(saved: dict, run: RunConfig) -> list[str]:
+    """What carries over only approximately, one line each."""
+    out = []
+    m, p = saved["run"]["model"], saved["run"]["parallel"]
+    divisible = m.get("make_vocab_size_divisible_by", run.model.make_vocab_size_divisible_by) * p[
+        "tensor_model_parallel_size"]
+    was, now = -(-m["vocab_size"] // divisible) * divisible, run.model.padded_vocab_size(run.parallel.tp)
+    if was != now:
+        out.append(f"> layout change: the padded vocabulary goes from {was} to {now} rows "
+                   f"(--make-vocab-size-divisible-by {run.model.make_vocab_size_divisible_by} x TP): "
+                   + (f"rows {was}-{now - 1} start at zero" if now > was else f"rows {now}-{was - 1} are dropped")
+                   + "; the loss continues close to, not exactly, the straight run's")
+    return out
 
 
 def check_saved_layout(saved: dict, run, where: str) -> None:
@@ -105,7 +198,8 @@ def check_saved_layout(saved: dict, run, where: str) -> None:
         diffs.append(f"--zero-hierarchy-int8 {'on' if h['int8'] else 'off'} (now "
                      f"{'on' if p.zero_hierarchy_int8 else 'off'})")
     if diffs:
-        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}. "
+        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}; its "
+                          "tiers' shards are not read at another layout in place (a DeepSpeed ZeRO 0-2 checkpoint is). "
                           f"{HZERO_RESHARD.format(where=where)}")
 
 
@@ -113,10 +207,9 @@ _MOE_FIELDS = {"num_experts": "--num-experts", "expert_interval": "--expert-inte
                "enable_expert_tensor_parallelism": "--enable-expert-tensor-parallelism"}
 
 
-def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) -> None:
+def check_experts(saved_moe: dict, run: RunConfig, where: str) -> None:
     """Refuse a checkpoint whose experts are laid out otherwise: other MoE layers, counts, PR-MoE or expert TP (its
-    per-expert files hold other tensors), or, for a model with experts, another expert-parallel size (the ZeRO
-    partitions of the experts follow it: resharding goes through a full state, tools/reshard_checkpoint.py)."""
+    per-expert files hold other tensors). Another expert-parallel size is a layout change (LayoutChange)."""
     now = dataclasses.asdict(run.model.moe)
     default = dataclasses.asdict(type(run.model.moe)())
     changed = [f"{flag} ({_shown(saved_moe.get(k, default[k]))} in the checkpoint, {_shown(now[k])} now)"
@@ -124,9 +217,6 @@ def check_experts(saved_moe: dict, saved_ep: int, run: RunConfig, where: str) ->
     if changed:
         raise ConfigError(f"--load {where}: the checkpoint's experts differ: {'; '.join(changed)}. Use the "
                           "checkpoint's values for these flags")
-    if run.model.moe.enabled and saved_ep != run.parallel.ep:
-        raise ConfigError(f"--load {where}: saved with --moe-expert-parallel-size {saved_ep}, now {run.parallel.ep}: "
-                          f"keep the expert-parallel size, or {_CONVERT.format(where=where)}")
 
 
 def _shown(v):

@@ -51,8 +51,9 @@ def check_save_space(settings: CheckpointSettings, run: RunConfig) -> None:
 
 
 def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
-    """The metadata ``--load`` would resume from, against this run's flags (shapes, TP, PP, ZeRO/DP and
-    precision unless --no-load-optim), and the marker files: ``latest``, its tag, megatron_meta.json."""
+    """The metadata ``--load`` would resume from, against this run's flags (shapes, experts, precision unless
+    --no-load-optim; another TP x PP x DP x EP x ZeRO layout passes when relayout/ reads it in place, else one line
+    names what does not carry over), and the marker files: ``latest``, its tag, megatron_meta.json."""
     target = classify_load(settings)
     if target.kind == "none":
         return
@@ -74,7 +75,7 @@ def check_load(settings: CheckpointSettings, run: RunConfig) -> None:
             raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); re-create it with "
                                   "tools/reshard_checkpoint.py or tools/convert_hf_to_megatron.py") from None
         check_model_shape(meta.get("model", {}), run, target.path)
-        check_experts(meta.get("model", {}).get("moe") or {}, run.parallel.ep, run, target.path)
+        check_experts(meta.get("model", {}).get("moe") or {}, run, target.path)
         if not settings.finetune:
             check_resume_schedule(meta.get("lr_scheduler"), run, target.path)
         if settings.verify != "off":

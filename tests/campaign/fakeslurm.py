@@ -8,9 +8,10 @@ commands; ``Scheduler`` runs the queue: the next pending job whose ``afterany`` 
 fake machine minus its excluded ones, with ``SLURM_JOB_END_TIME`` = start + its time limit, SIGTERM to the whole job
 at that time and SIGKILL ``kill_wait`` seconds later (what Slurm does at the limit). ``--signal`` is recorded, not
 sent: tests send their signals themselves, at the moment they choose (a 45 s job and a 120 s lead would signal at
-once). ``srun`` starts ``$FAKE_SRUN_RANKS`` ranks (default: its ``-n``) over its ``-N`` nodes, block distribution,
-with the variables megatron/topology.py discover_ranks reads (started through tests/launch/), and forwards the
-signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
+once). ``scontrol update`` changes a pending job's ExcNodeList, TimeLimit and NumNodes. ``srun`` starts
+``$FAKE_SRUN_RANKS`` ranks (else ``$FAKE_SRUN_RANKS_PER_NODE`` per node, else its ``-n``) over its ``-N`` nodes,
+block distribution, with the variables megatron/topology.py discover_ranks reads (started through tests/launch/),
+and forwards the signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ def scontrol(argv: list[str]) -> int:
                 job["exclude"] = v
             elif k == "TimeLimit":
                 job["time"] = v
+            elif k == "NumNodes":
+                job["nodes"] = int(v)
             else:
                 job.setdefault("updates", {})[k] = v
         save_job(job)
@@ -268,7 +271,9 @@ def srun(argv: list[str]) -> int:
     hosts = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", "localhost"))
     nnodes = int(opts.get("nodes", len(hosts)))
     hosts = hosts[:nnodes]
-    ntasks = int(os.environ.get("FAKE_SRUN_RANKS") or opts.get("ntasks") or nnodes)
+    per_node = os.environ.get("FAKE_SRUN_RANKS_PER_NODE")  # ranks follow the job's node count (grow / shrink)
+    ntasks = int(os.environ.get("FAKE_SRUN_RANKS") or (per_node and int(per_node) * nnodes) or opts.get("ntasks")
+                 or nnodes)
     if "ntasks-per-node" in opts and "ntasks" not in opts:
         ntasks = nnodes * int(opts["ntasks-per-node"])
     per = -(-ntasks // nnodes)

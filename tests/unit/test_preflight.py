@@ -29,17 +29,38 @@ def _fake_checkpoint(root, argv: list[str], world: int, tag: str = "global_step2
     return str(root)
 
 
-def test_load_at_another_tp_and_pp_names_both_and_a_real_anchor(tmp_path, monkeypatch, capsys):
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    ckpt = _fake_checkpoint(tmp_path, BASE + layout, 4)
-    rc, err, out = run_until_process_group(BASE + ["--load", ckpt], monkeypatch, capsys)
-    assert_one_line_error(rc, err, out, "--tensor-model-parallel-size 2, now 1",
-                          "--pipeline-model-parallel-size 2, now 1", "tools/reshard_checkpoint.py", RESHARD_DOC)
+def test_load_at_another_tp_and_pp_goes_on_and_zero3_names_both_and_a_real_anchor(tmp_path, monkeypatch, capsys):
+    """TP 2 x PP 2 ZeRO-1 at TP 1 x PP 1: resumed in place (megatron/checkpointing/relayout/), so the checks pass; the
+    same move of a ZeRO-3 checkpoint (weights in its optimizer partitions) is refused naming every changed size."""
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+    ckpt = _fake_checkpoint(tmp_path / "z1", BASE + layout, 4)
+    rc, err, out = run_until_process_group(BASE + ["--zero-stage", "1", "--load", ckpt, "--verify-checkpoint", "off"],
+                                           monkeypatch, capsys)
+    assert rc is None and err == "", err
+    ckpt = _fake_checkpoint(tmp_path / "z3", BASE + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 4)
+    rc, err, out = run_until_process_group(BASE + ["--zero-stage", "3", "--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "--tensor-model-parallel-size 2, now 1", "data-parallel size 2, now 1",
+                          "tools/reshard_checkpoint.py", RESHARD_DOC)
     path, anchor = RESHARD_DOC.split("#")
     with open(os.path.join(REPO, path)) as f:  # GitHub's anchor of a heading: lower case, spaces to dashes
         anchors = {re.sub(r"[^\w\- ]", "", line[2:].strip().lower()).replace(" ", "-")
                    for line in f if line.startswith("#")}
     assert anchor in anchors, sorted(anchors)
+
+
+def test_load_at_another_dp_keeps_the_data_order_or_refuses(tmp_path, monkeypatch, capsys):
+    """A data-parallel size change keeps the global batch and the sample order (--dataloader-type single), or is
+    refused in one line: an implicit global batch (micro-batch x DP) would change, cyclic order depends on DP."""
+    implicit = [a for i, a in enumerate(BASE) if "--global-batch-size" not in BASE[max(0, i - 1):i + 1]]
+    ckpt = _fake_checkpoint(tmp_path / "a", implicit + ["--zero-stage", "1"], 2)
+    rc, err, out = run_until_process_group(implicit + ["--zero-stage", "1", "--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "--global-batch-size was not given; it was 4 (micro-batch 2 x DP 2) and "
+                          "would now be 2: pass --global-batch-size 4")
+    cyclic = BASE + ["--zero-stage", "1", "--dataloader-type", "cyclic"]
+    ckpt = _fake_checkpoint(tmp_path / "b", cyclic, 2)
+    rc, err, out = run_until_process_group(cyclic + ["--load", ckpt], monkeypatch, capsys)
+    assert_one_line_error(rc, err, out, "saved at data-parallel size 2, now 1, with --dataloader-type cyclic",
+                          "keep DP 2 (2 ranks at TP 1 x PP 1)")
 
 
 def test_load_shape_mismatch(tmp_path, monkeypatch, capsys):
@@ -134,3 +155,21 @@ def test_hierarchical_zero_partial_node_refused_before_process_group(monkeypatch
     assert_one_line_error(rc, err, out, "--zero-hierarchy", "world size 4 is not a multiple of 8 ranks per node")
     rc, err, _ = run_until_process_group(argv, monkeypatch, capsys, world_size=4, local_world_size=2)
     assert rc is None, err  # whole nodes: the run goes on to the process group
+
+
+def test_layout_change_names_both_layouts_and_a_vocabulary_padding_change():
+    from megatron.checkpointing.resume_checks import check_resume
+
+    def meta(argv, world):
+        return {"iteration": 2, "run": plain_run(run_config_from_args(parse_args(argv), world, 200)), "tag": "t"}
+
+    argv = with_flag(BASE, "--vocab-size", "200") + ["--zero-stage", "1", "--make-vocab-size-divisible-by", "32"]
+    now = run_config_from_args(parse_args(argv), 1, 200)
+    assert check_resume(meta(argv, 1), now, True, "D") is None  # same layout: DeepSpeed's own load, bit for bit
+    change = check_resume(meta(argv + ["--tensor-model-parallel-size", "2"], 4), now, True, "D")
+    assert (str(change.saved), str(change.now)) == ("TP 2 x PP 1 x DP 2 x EP 1, ZeRO-1 (4 ranks)",
+                                                    "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-1 (1 rank)")
+    assert change.notes == ("> layout change: the padded vocabulary goes from 256 to 224 rows "
+                            "(--make-vocab-size-divisible-by 32 x TP): rows 224-255 are dropped; the loss continues "
+                            "close to, not exactly, the straight run's",)
+    assert check_resume(meta(argv + ["--zero-stage", "2"], 1), now, True, "D").notes == ()

@@ -28,7 +28,7 @@ class FullStateFormat:
         verify.verify_collective(self.path, settings.verify, say)  # before a byte of it reaches the model
         full, meta = read_full_state(self.path)
         check_model_shape(meta["model"], run, self.path)
-        check_experts(meta["model"].get("moe") or {}, run.parallel.ep, run, self.path)  # experts merged: any EP
+        check_experts(meta["model"].get("moe") or {}, run, self.path)  # experts merged: any EP
         load_into_model(model, full, run.model.num_layers, pstate.tp.size, pstate.tp.rank, self.path)
         if settings.finetune:
             self.loaded = Resume(0, 0, self.path)

@@ -35,7 +35,7 @@ def check_upstream(found: Found, settings, run) -> None:
 
 def _check(fields: dict, padded_vocab: int, tp: int, run, where: str) -> None:
     check_model_shape(fields, run, where)
-    check_experts(fields["moe"], run.parallel.ep, run, where)  # the experts are read whole: any EP resumes them
+    check_experts(fields["moe"], run, where)  # the experts are read whole: any EP resumes them
     if fields["layernorm_epsilon"] != run.model.layernorm_epsilon:
         raise CheckpointError(f"--load {where}: upstream trained with --layernorm-epsilon {fields['layernorm_epsilon']}"
                               f", this run has {run.model.layernorm_epsilon}: pass the checkpoint's value")

@@ -1,0 +1,151 @@
+"""Resuming at another layout in place (issue 43; megatron/checkpointing/relayout/): a run of 10 steps saved at
+step 5 at one TP x PP x DP x EP x ZeRO layout, resumed from global_step5 at another through ``--load`` alone (no
+offline step), logs steps 6-10 within 1e-5 relative of the straight run at the source layout (fp32: only the
+order of float sums differs) and says "layout changed from X to Y". One straight run per source serves every
+resume from it; the Adam moments are checked equal to the source's right after one load, and a resume without them
+(--no-load-optim) misses step 7, so the check can fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpointing.common import _pretrain, pretrain_on
+from tests.checkpointing.test_moe_checkpoint import ARGS as MOE_ARGS
+from tests.checkpointing.test_resume import _point_latest
+from tests.models import CKPT_GPT, LLAMA, replaced
+
+BASE = CKPT_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10",
+                   "--vocab-size", "256"]  # 256: no padded vocabulary rows at TP 1 or 2, so TP moves are exact
+Z1, Z2 = ["--zero-stage", "1"], ["--zero-stage", "2"]
+TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+MOE = replaced(MOE_ARGS, {"--train-iters": "10"})  # ZeRO-2, EP 2 on 2 ranks
+
+SOURCES = {  # name -> (ranks, flags) of the straight run that writes global_step5
+    "dp2-z1": (2, BASE + Z1), "dp1-z1": (1, BASE + Z1), "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE),
+}
+# case -> (source, ranks, flags of the resumed run). The DP moves to ZeRO-2 read ZeRO-1 sources (DeepSpeed writes the
+# same files at either stage; the ZeRO-2 target is what differs): no straight run of their own.
+CASES = {
+    "dp2to1-z1": ("dp2-z1", 1, BASE + Z1), "dp1to2-z1": ("dp1-z1", 2, BASE + Z1),
+    "dp2to1-z1toz2": ("dp2-z1", 1, BASE + Z2), "dp1to2-z1toz2": ("dp1-z1", 2, BASE + Z2),
+    "tp2to1": ("tp2-pp2", 2, BASE + LLAMA + Z1 + PP2), "pp2to1": ("tp2-pp2", 2, BASE + LLAMA + Z1 + TP2),
+    "pp1to2": ("dp1-z1", 2, BASE + Z1 + PP2),
+    "ep2to1": ("ep2", 2, replaced(MOE, {"--moe-expert-parallel-size": "1"})),
+    "z1toz2": ("dp2-z1", 2, BASE + Z2),
+}
+LAYOUT = {  # the log's name of each layout
+    "dp2-z1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-1 (2 ranks)", "dp1-z1": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-1 (1 rank)",
+    "dp1-z2": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-2 (1 rank)", "dp2-z2": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)",
+    "tp2-pp2": "TP 2 x PP 2 x DP 1 x EP 1, ZeRO-1 (4 ranks)", "ep2": "TP 1 x PP 1 x DP 2 x EP 2, ZeRO-2 (2 ranks)",
+    "tp1-pp2": "TP 1 x PP 2 x DP 1 x EP 1, ZeRO-1 (2 ranks)", "tp2-pp1": "TP 2 x PP 1 x DP 1 x EP 1, ZeRO-1 (2 ranks)",
+    "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)"}
+NOW = {"dp2to1-z1": "dp1-z1", "dp1to2-z1": "dp2-z1", "dp2to1-z1toz2": "dp1-z2", "dp1to2-z1toz2": "dp2-z2",
+       "tp2to1": "tp1-pp2", "pp2to1": "tp2-pp1", "pp1to2": "tp1-pp2", "ep2to1": "ep1", "z1toz2": "dp2-z2"}
+
+
+def _resumed(argv: list[str], check_moments: bool = False) -> dict:
+    """``_pretrain`` whose summary gains ``said`` (the relayout's log lines) and, with ``check_moments``, ``moments``:
+    right after the load, every parameter's full Adam moments and fp32 master weights as DeepSpeed's public
+    safe_get_full_* return them, against an independent offline reader of the source (full_state.merge)."""
+    from megatron.checkpointing.relayout import format as relayout
+
+    said, checked = [], {}
+    say, resume = relayout.say, relayout.RelayoutFormat.resume
+
+    def saying(msg: str) -> None:
+        said.append(msg)
+        say(msg)
+
+    def checking(self, engine):
+        out = resume(self, engine)
+        if check_moments:
+            checked.update(_compare_moments(self.ckpt_dir, self.meta, engine, self.run.model.num_layers))
+        return out
+
+    relayout.say, relayout.RelayoutFormat.resume = saying, checking
+    return {**_pretrain(argv), "said": said, "moments": checked}
+
+
+def _compare_moments(ckpt_dir: str, meta: dict, engine, num_layers: int) -> dict:
+    """This rank's fp32 master weights and Adam moments as the ZeRO optimizer holds them right after the load (each
+    parameter's slice of its flat partition, where DeepSpeed's link says it is), against an independent offline
+    reader of the source's files (full_state.merge); ``covered``: elements found, of ``params`` parameters."""
+    import torch
+
+    from megatron import ds_seams
+    from megatron.checkpointing.full_state.merge import merge_checkpoint, merge_moments
+    from megatron.checkpointing.relayout.fill import named_parameters
+
+    moments, step, why = merge_moments(ckpt_dir, meta)
+    weights = merge_checkpoint(ckpt_dir, meta)
+    base = engine.optimizer.optimizer
+    bad, n, covered = [], 0, 0
+    for name, p in named_parameters(engine.module, num_layers):
+        n += 1
+        hp = ds_seams.hp_mapping(p)
+        flat = base.param_groups[hp.param_group_index]["params"][0]
+        lp, at = hp.lp_fragment_address, hp.hp_fragment_address
+        covered += lp.numel
+        for k, full, held in (("exp_avg", moments[name]["exp_avg"], base.state[flat]["exp_avg"]),
+                              ("exp_avg_sq", moments[name]["exp_avg_sq"], base.state[flat]["exp_avg_sq"]),
+                              ("fp32", weights[name], flat)):
+            if not torch.equal(held.narrow(0, at.start, at.numel), full.reshape(-1).narrow(0, lp.start, lp.numel)):
+                bad.append(f"{name} {k}")
+    total = sum(p.numel() for p in engine.module.parameters())
+    return {"params": n, "step": step, "why": why, "bad": bad, "covered": covered, "total": total}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """source name -> (its --save directory, latest pointing at global_step5; the straight run's losses)."""
+    done: dict[str, tuple[str, dict[int, float]]] = {}
+
+    def get(name: str) -> tuple[str, dict[int, float]]:
+        if name not in done:
+            world, flags = SOURCES[name]
+            save = str(tmp_path_factory.mktemp(name))
+            losses = pretrain_on(world, flags + ["--save", save, "--save-interval", "5"])["losses"]
+            assert sorted(losses) == list(range(1, 11)) and len(set(losses.values())) == 10, losses  # it moves
+            _point_latest(save, "global_step5")
+            done[name] = save, losses
+        return done[name]
+
+    return get
+
+
+def _close(got: dict[int, float], ref: dict[int, float]) -> list[tuple[int, float]]:
+    """Steps whose loss is off by more than 1e-5 relative."""
+    return [(i, got[i] / ref[i] - 1) for i in got if abs(got[i] / ref[i] - 1) > 1e-5]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumes_at_another_layout_in_place(case, straight):
+    source, world, flags = CASES[case]
+    save, ref = straight(source)
+    out = _run(world, flags + ["--load", save], check_moments=case == "dp2to1-z1")
+    assert sorted(out["losses"]) == [6, 7, 8, 9, 10], out["losses"]
+    assert not _close(out["losses"], ref), (out["losses"], ref)
+    line = [s for s in out["said"] if s.startswith("> layout changed from ")]
+    want = (f"> layout changed from {LAYOUT[source]} to {LAYOUT[NOW[case]]}: resumed global_step5 in place (weights, "
+            "fp32 master weights, Adam moments at step 5;")
+    assert len(line) == 1 and line[0].startswith(want), out["said"]
+    assert "RNG states restart" in line[0] and "global batch" in line[0]
+    if case == "dp2to1-z1":  # the Adam moments and fp32 masters as they are right after the load
+        m = out["moments"]
+        assert m["params"] == 28 and m["covered"] == m["total"] and m["step"] == 5 and m["bad"] == [], m
+
+
+def _run(world: int, argv: list[str], check_moments: bool) -> dict:
+    from tests.launch import run_distributed
+
+    return run_distributed(_resumed, world, timeout=240, argv=argv, check_moments=check_moments)[0]
+
+
+@pytest.mark.timeout(300)
+def test_without_the_moments_step_7_misses(straight):
+    """The same move with --no-load-optim (weights only) matches step 6 and misses step 7: the checks above can fail."""
+    save, ref = straight("dp2-z1")
+    out = _run(1, BASE + Z1 + ["--load", save, "--no-load-optim"], False)
+    assert abs(out["losses"][6] / ref[6] - 1) < 1e-5 and abs(out["losses"][7] / ref[7] - 1) > 1e-4, (out, ref)
+    assert any("(weights; " in s for s in out["said"]), out["said"]
