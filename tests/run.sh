@@ -30,32 +30,42 @@ fi
 # tests/skips.py records every skip; after pytest, a skip outside tests/gpu whose reason is not on
 # tests/skip_allowlist.txt fails the run, and the skips are printed grouped by reason.
 report="$(mktemp "${TMPDIR:-/tmp}/skips.XXXXXX.json")"
-trap 'rm -f "$report"' EXIT
-pytest_=("$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --skip-report="$report" --durations=40)
+campaign_report="$(mktemp "${TMPDIR:-/tmp}/skips-campaign.XXXXXX.json")"
+campaign_log="$(mktemp "${TMPDIR:-/tmp}/campaign.XXXXXX.log")"
+trap 'rm -f "$report" "$campaign_report" "$campaign_log"' EXIT
+pytest_=("$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --durations=40)
 set +e
 if [ "$#" -eq 0 ]; then
-  # The whole suite: two pytest-xdist workers, a module per worker (module fixtures start once; most tests are
-  # multi-process runs that leave a core idle while they rendezvous, save or wait for a watchdog), then the tests
-  # marked `serial` (they compare ranks' wall times) alone.
-  "${pytest_[@]}" -n 2 --dist loadscope -m "not serial"
+  # The whole suite. tests/campaign (stand-in Slurm campaigns: jobs whose steps and saves are slowed by sleeps, job
+  # windows of a minute) mostly waits, so it runs in one process beside the rest, its output printed after. The
+  # rest: two pytest-xdist workers, a module per worker (module fixtures start once; most tests are multi-process
+  # runs that leave a core idle while they rendezvous, save or wait for a watchdog). Then the tests marked `serial`
+  # (they compare ranks' wall times) alone.
+  "${pytest_[@]}" --skip-report="$campaign_report" -m "not serial" tests/campaign >"$campaign_log" 2>&1 &
+  campaign_pid=$!
+  "${pytest_[@]}" --skip-report="$report" -n 2 --dist loadscope -m "not serial" --ignore=tests/campaign
   rc_parallel=$?
-  "${pytest_[@]}" -m serial
+  wait "$campaign_pid"
+  rc_campaign=$?
+  echo "---- tests/campaign (ran beside the above) ----"
+  cat "$campaign_log"
+  "${pytest_[@]}" --skip-report="$report" -m serial
   rc_serial=$?
   # The first real failure wins; "no tests collected" (5) only when neither phase ran anything.
   rc=0
-  for r in "$rc_parallel" "$rc_serial"; do
+  for r in "$rc_parallel" "$rc_campaign" "$rc_serial"; do
     if [ "$r" -ne 0 ] && [ "$r" -ne 5 ]; then rc=$r; break; fi
   done
-  if [ "$rc" -eq 0 ] && [ "$rc_parallel" -eq 5 ] && [ "$rc_serial" -eq 5 ]; then rc=5; fi
+  if [ "$rc" -eq 0 ] && [ "$rc_parallel" -eq 5 ] && [ "$rc_campaign" -eq 5 ] && [ "$rc_serial" -eq 5 ]; then rc=5; fi
 else
   # Extra arguments: one pytest run with exactly them (add `-n 2` for workers).
-  "${pytest_[@]}" "$@"
+  "${pytest_[@]}" --skip-report="$report" "$@"
   rc=$?
 fi
 set -e
 skips_rc=0
 if [ -s "$report" ]; then
-  "$PYTHON" -m tests.skips "$report" tests/skip_allowlist.txt || skips_rc=$?
+  "$PYTHON" -m tests.skips "$report" "$campaign_report" tests/skip_allowlist.txt || skips_rc=$?
 else
   echo "error: pytest wrote no skip report ($report)" >&2
   skips_rc=1

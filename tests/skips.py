@@ -104,13 +104,16 @@ def check(skips: list[dict[str, str]], allowed: list[Allowed]) -> tuple[str, int
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m tests.skips SKIP_REPORT.json ALLOWLIST", file=sys.stderr)
+    if len(argv) < 2:
+        print("usage: python -m tests.skips SKIP_REPORT.json [SKIP_REPORT.json ...] ALLOWLIST", file=sys.stderr)
         return 2
     try:
-        with open(argv[0]) as f:
-            skips = json.load(f)
-        allowed = read_allowlist(argv[1])
+        skips = []
+        for path in argv[:-1]:  # tests/run.sh's campaign phase writes its own report beside the parallel phase's
+            with open(path) as f:
+                text = f.read()
+            skips += json.loads(text) if text.strip() else []
+        allowed = read_allowlist(argv[-1])
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
