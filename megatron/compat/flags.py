@@ -166,11 +166,7 @@ REFUSALS: dict[str, Refused] = {
     "--no-initialization": Refused("weights are always initialised (a --load overwrites them): drop the flag"),
     "--decoder-num-layers": Refused("GPT has one layer stack: use --num-layers"),
     "--pipeline-model-parallel-split-rank": Refused("an encoder/decoder split has no meaning for GPT: drop the flag"),
-    "--num-layers-per-virtual-pipeline-stage": Refused(
-        "DeepSpeed's pipeline engine has no interleaved schedule: drop the flag (1F1B is used)"),
     "--standalone-embedding-stage": Refused("the embedding shares the first pipeline stage: drop the flag"),
-    "--enable-zbh1-pipeline": Refused("the zero-bubble schedule is not built: drop the flag (1F1B is used)"),
-    "--enable-zbh1-exact-semantics": Refused("the zero-bubble schedule is not built: drop the flag"),
     "--random-ltd": Refused("random layer-token drop is not built: drop the flag"),
     "--ds-inference": Refused("this is a pretraining entry point: drop the flag"),
     "--inference": Refused("this is a pretraining entry point: drop the flag"),
