@@ -61,15 +61,18 @@ class WeightGradStore:
     def pending(self) -> int:
         return len(self._queue)
 
-    def held_bytes(self) -> int:
-        """Bytes of the distinct storages the pending items keep alive."""
+    def held_storages(self) -> dict[int, int]:
+        """The distinct storages the pending items keep alive: address -> bytes."""
         seen: dict[int, int] = {}
         for _, items in self._queue:
             for _, _, held in items:
                 for t in held:
                     storage = t.untyped_storage()
                     seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+        return seen
+
+    def held_bytes(self) -> int:
+        return sum(self.held_storages().values())
 
     def clear(self) -> None:
         """Drop everything (a new step; after an exception)."""
