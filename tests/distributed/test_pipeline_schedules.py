@@ -64,7 +64,7 @@ def _run_config(layout: str, schedule: str, world: int):
         training=TrainingConfig(micro_batch_size=1, global_batch_size=gbs, train_iters=STEPS, seed=5))
 
 
-def _train(layout: str, schedule: str) -> dict:
+def _train(layout: str, schedule: str, steps: int) -> dict:
     import deepspeed.comm as dist
 
     from megatron.core.parallel_state import ParallelState
@@ -91,7 +91,7 @@ def _train(layout: str, schedule: str) -> dict:
     data = pipe_microbatches(microbatches(MockGPTDataset(1000, SEQ, VOCAB, seed=9), 0, run.training.micro_batch_size,
                                           state.dp.rank, state.dp.size, "cpu"), sample_index=moe)
     out = {"loss": [], "norm": [], "moe": []}
-    for _ in range(STEPS):
+    for _ in range(steps):
         res = pipe_train_step(engine, data)
         t = torch.tensor([float(res.loss), float(res.moe_loss or 0.0)])
         dist.all_reduce(t, group=state.dp.group)
@@ -103,11 +103,11 @@ def _train(layout: str, schedule: str) -> dict:
     return out
 
 
-def _worker(layouts):
+def _worker(layouts, steps=STEPS, schedules=SCHEDULES):
     from megatron.initialize import initialize_distributed
 
     initialize_distributed("gloo")
-    return {(layout, schedule): _train(layout, schedule) for layout in layouts for schedule in SCHEDULES}
+    return {(layout, schedule): _train(layout, schedule, steps) for layout in layouts for schedule in schedules}
 
 
 def _rel(a: float, b: float) -> float:
