@@ -154,9 +154,10 @@ TOUCHES: tuple[Touch, ...] = (
 )
 
 OVERRIDES: tuple[Override, ...] = (
-    Override("megatron.model.gpt_model_pipe.GPTModelPipe", f"{_PIPE_MODULE}._partition_layers", ("self", "method"),
-             "our stage split is analytic (DeepSpeed's 'parameters' builds every layer to count it) and puts the "
-             "remainder on the first stages", f"{_PIPE_MODULE}.__init__", "self._partition_layers(method="),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}._partition_layers",
+             ("self", "method"), "the virtual stages' split given by the model (GPTModelPipe's is analytic: DeepSpeed's "
+             "'parameters' builds every layer to count it; it puts the remainder on the first stages)",
+             f"{_PIPE_MODULE}.__init__", "self._partition_layers(method="),
     Override("megatron.model.gpt_model_pipe.GPTModelPipe", f"{_PIPE_MODULE}._synchronize_tied_weights", ("self",),
              "DeepSpeed's in-place broadcast of the tied weight, under no_grad (else autograd warns on every "
              "backward)", f"{_PIPE_MODULE}.__init__", "self._synchronize_tied_weights()"),
@@ -281,7 +282,7 @@ def set_pipeline_partition(module, parts: list[int]) -> None:
     this rank's stage bounds.
 
     DeepSpeed 0.19.8, deepspeed/runtime/pipe/module.py: ``PipelineModule._topo`` (the grid, set in ``__init__``),
-    ``global_rank`` and ``_set_bounds(start, stop)``. Why: GPTModelPipe overrides ``_partition_layers``
+    ``global_rank`` and ``_set_bounds(start, stop)``. Why: ChunkedPipelineModule overrides ``_partition_layers``
     (``OVERRIDES``)."""
     _require("set_pipeline_partition")
     module.parts = parts

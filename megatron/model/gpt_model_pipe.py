@@ -264,7 +264,7 @@ class GPTModelPipe(ChunkedPipelineModule):
         check_topology(topo, pstate)
         loss = LMLoss(pstate, cfg.moe.moe_loss_coeff if cfg.moe.enabled else None)
         super().__init__(specs, topology=topo, loss_fn=loss, partition_method=partition_method,
-                         activation_checkpoint_interval=0, virtual_stages=virtual_stages)
+                         activation_checkpoint_interval=0, virtual_stages=virtual_stages, parts=self._megatron_parts)
         for funcs in self.chunk_modules():  # Megatron's block rule holds per model chunk
             layers = [f for f in funcs if isinstance(f, TransformerLayerPipe)]
             for i, layer in enumerate(layers):
@@ -299,11 +299,6 @@ class GPTModelPipe(ChunkedPipelineModule):
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
-    def _partition_layers(self, method: str = "type:TransformerLayer") -> None:
-        # Replaces DeepSpeed's (registered in megatron/ds_seams.py OVERRIDES): its 'parameters' method builds every
-        # layer to count it, and its type-based split breaks ties arbitrarily; ours is analytic and puts the
-        # remainder on the first stages.
-        ds_seams.set_pipeline_partition(self, self._megatron_parts)
 
 
 def stage_contents(cfg: ModelConfig, parts: list[int]) -> list[str]:

@@ -16,11 +16,22 @@ from megatron import ds_seams
 
 class ChunkedPipelineModule(PipelineModule):
     """``virtual_stages``: chunks per rank (v). The engine activates a chunk (``activate_chunk``) before each of its
-    forward and backward passes; outside, chunk 0 is active."""
+    forward and backward passes; outside, chunk 0 is active. ``parts``: the p x v + 1 boundaries of the virtual
+    stages in the layer specs (None: DeepSpeed's ``partition_method`` splits them over the p stages, v = 1)."""
 
-    def __init__(self, layers, *, virtual_stages: int = 1, **kwargs) -> None:
-        self.num_chunks = virtual_stages
+    def __init__(self, layers, *, virtual_stages: int = 1, parts: list[int] | None = None, **kwargs) -> None:
+        self.num_chunks, self._chunk_parts = virtual_stages, parts
+        if parts is None and virtual_stages > 1:
+            raise ValueError(f"ChunkedPipelineModule: {virtual_stages} chunks per rank need the virtual stages' parts")
         super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method: str = "parameters") -> None:
+        # Replaces DeepSpeed's (registered in megatron/ds_seams.py OVERRIDES) when the split is given: GPTModelPipe's
+        # is analytic (DeepSpeed's 'parameters' builds every layer to count it) and puts the remainder first.
+        if self._chunk_parts is None:
+            super()._partition_layers(method)
+        else:
+            ds_seams.set_pipeline_partition(self, self._chunk_parts)
 
     def chunk_bounds(self, chunk: int) -> tuple[int, int]:
         """The spec range [start, stop) of this rank's ``chunk``."""
