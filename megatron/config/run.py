@@ -103,6 +103,9 @@ class RunConfig:
         """What the zero-bubble and interleaved schedules (megatron/core/pipeline) cannot serve, one line each."""
         p, m, t = self.parallel, self.model, self.training
         schedule = p.pipeline_schedule
+        if m.num_layers < p.pp:
+            raise ConfigError(f"--pipeline-model-parallel-size {p.pp} with --num-layers {m.num_layers}: a pipeline "
+                              f"stage would hold no transformer layer; use at most {m.num_layers} stages")
         if schedule in ("zbh1", "zbh1-exact") and m.torch_compile:
             raise ConfigError("--enable-zbh1-pipeline with --compile: torch.compile cannot trace the deferred weight "
                               "gradients; drop one")

@@ -44,6 +44,16 @@ def _run(argv, monkeypatch, capsys, world_size=1):
     (_with("--deepspeed_config", "/nonexistent/ds.json"), 1, ["--deepspeed_config /nonexistent/ds.json",
                                                               "not found"]),
     (_with("--train-iters", None)[:-1], 1, ["--train-iters"]),
+    # pipeline schedules (megatron/core/pipeline): what a schedule cannot serve, before any process group
+    (BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     ["--num-layers-per-virtual-pipeline-stage 3", "--num-layers 2", "--pipeline-model-parallel-size 2"]),
+    (BASE + ["--pipeline-model-parallel-size", "4"], 4, ["--pipeline-model-parallel-size 4", "--num-layers 2"]),
+    (BASE + ["--pipeline-model-parallel-size", "2", "--zero-stage", "2", "--enable-zbh1-pipeline"], 2,
+     ["ZeRO-2", "--pipeline-model-parallel-size 2"]),
+    (BASE + ["--enable-zbh1-exact-semantics"], 1, ["--enable-zbh1-exact-semantics", "--enable-zbh1-pipeline"]),
+    (_with("--num-layers", "4") + ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--enable-zbh1-pipeline", "--num-layers-per-virtual-pipeline-stage"]),
 ])
 def test_config_errors_are_one_line(argv, world, needles, monkeypatch, capsys):
     rc, err = _run(argv, monkeypatch, capsys, world)
