@@ -104,3 +104,14 @@ def schedule_flags(schedule: str, layers_per_chunk: int | None = None) -> str:
     return {"1f1b": "", "zbh1": "--enable-zbh1-pipeline",
             "zbh1-exact": "--enable-zbh1-pipeline --enable-zbh1-exact-semantics",
             "interleaved": f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk}"}[schedule]
+
+
+def bubble_line(parallel, num_layers: int, microbatches: int) -> str:
+    """The dry run's and the layout report's line: ``parallel``'s (a ParallelConfig) schedule and its predicted
+    bubble, with forward = input-gradient = weight-gradient time, beside 1F1B's."""
+    schedule, v = parallel.pipeline_schedule, parallel.virtual_stages(num_layers)
+    p = parallel.pp
+    bubble = bubble_fraction(schedule, p, microbatches, v=v)
+    chunks = f", {v} model chunks per rank" if v > 1 else ""
+    base = "" if schedule == "1f1b" else f" (1F1B: {100 * bubble_fraction('1f1b', p, microbatches):.1f}%)"
+    return f"pipeline schedule {schedule}{chunks}: predicted bubble {100 * bubble:.1f}% of the pipelined time{base}"
