@@ -155,8 +155,8 @@ TOUCHES: tuple[Touch, ...] = (
 
 OVERRIDES: tuple[Override, ...] = (
     Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}._partition_layers",
-             ("self", "method"), "the virtual stages' split given by the model (GPTModelPipe's is analytic: DeepSpeed's "
-             "'parameters' builds every layer to count it; it puts the remainder on the first stages)",
+             ("self", "method"), "the virtual stages' split given by the model (GPTModelPipe's is analytic: "
+             "DeepSpeed's 'parameters' builds every layer to count it; it puts the remainder on the first stages)",
              f"{_PIPE_MODULE}.__init__", "self._partition_layers(method="),
     Override("megatron.model.gpt_model_pipe.GPTModelPipe", f"{_PIPE_MODULE}._synchronize_tied_weights", ("self",),
              "DeepSpeed's in-place broadcast of the tied weight, under no_grad (else autograd warns on every "

@@ -85,8 +85,8 @@ def check_chunks(saved_parallel: dict, num_layers: int, run: RunConfig, where: s
     if saved_v != now_v:
         raise ConfigError(f"--load {where}: saved with {saved_v} model chunk(s) per pipeline rank "
                           f"(--num-layers-per-virtual-pipeline-stage), now {now_v}: each rank's optimizer state "
-                          f"follows its layers. {_CONVERT.format(where=where)[0].upper()}"
-                          f"{_CONVERT.format(where=where)[1:]} (see {RESHARD_DOC}), or pass --no-load-optim")
+                          "follows its layers. Keep the chunks per rank, or pass --no-load-optim (the weights carry "
+                          "over, the Adam moments restart)")
 
 
 def check_saved_layout(saved: dict, run, where: str) -> None:

@@ -1,8 +1,9 @@
-"""A run changes pipeline schedule on resume: saved under 1F1B, resumed under zero-bubble H1 directly (the same layers
-on each rank), under interleaved 1F1B through the full-state conversion (each rank's optimizer state follows its
-layers: a direct resume is refused in one line), and from interleaved back to 1F1B, each with the straight 1F1B run's
-losses (within 1e-5 relative: the default ZB-H1 and interleaving round differently, docs/verification.md). Through
-pretrain_gpt.py's flags, PP=2 on 2 fresh processes per run."""
+"""A run changes pipeline schedule on resume (the per-layer files are the same whatever the schedule). Saved under
+1F1B: resumed under zero-bubble H1 directly (the same layers on each rank, optimizer included) with the straight run's
+losses (within 1e-5 relative: the default ZB-H1 rounds differently, docs/verification.md); under interleaved 1F1B a
+resume with the optimizer is refused in one line (each rank's optimizer state follows its layers), and with
+--no-load-optim its weights give the straight run's loss; and back, interleaved -> 1F1B, the weights the interleaved
+run saved give its own next loss. Through pretrain_gpt.py's flags, PP=2 on 2 fresh processes per run."""
 
 import os
 
@@ -30,8 +31,6 @@ def _close(got: dict, want: dict) -> None:
 
 @pytest.mark.timeout(600)
 def test_resume_under_another_schedule(tmp_path):
-    from tools.reshard_checkpoint import main as reshard
-
     first, second = tmp_path / "1f1b", tmp_path / "interleaved"
     straight = pretrain_on(2, ARGS + ["--save", str(first), "--save-interval", "2"])["losses"]
     assert len(set(straight.values())) == 4, straight
@@ -39,9 +38,9 @@ def test_resume_under_another_schedule(tmp_path):
     _close(pretrain_on(2, ARGS + ZBH1 + ["--load", str(first)])["losses"], {3: straight[3], 4: straight[4]})
     with pytest.raises(RuntimeError, match="model chunk"):  # a rank's error fails its launch
         pretrain_on(2, ARGS + INTERLEAVED + ["--load", str(first)])
-    assert reshard(["--load", str(first), "--tag", "global_step2", "--save", str(tmp_path / "full2")]) == 0
-    interleaved = pretrain_on(2, ARGS + INTERLEAVED + ["--load", str(tmp_path / "full2"), "--save", str(second),
+    interleaved = pretrain_on(2, ARGS + INTERLEAVED + ["--load", str(first), "--no-load-optim", "--save", str(second),
                                                        "--save-interval", "3"])["losses"]
-    _close(interleaved, {3: straight[3], 4: straight[4]})
-    assert reshard(["--load", str(second), "--tag", "global_step3", "--save", str(tmp_path / "full3")]) == 0
-    _close(pretrain_on(2, ARGS + ["--load", str(tmp_path / "full3")])["losses"], {4: straight[4]})
+    _close({3: interleaved[3]}, {3: straight[3]})  # the weights; the restarted moments change iteration 4
+    _point_latest(second, "global_step3")
+    back = pretrain_on(2, ARGS + ["--load", str(second), "--no-load-optim"])["losses"]
+    _close(back, {4: interleaved[4]})
