@@ -183,36 +183,45 @@ def check(unit: float, steps: int) -> list[dict]:
     return rows
 
 
-def full(unit: float, steps: int, out: str) -> None:
+def full(unit: float, steps: int, out: str, ps: list[int]) -> None:
+    """The grid, p by p; the table is rewritten after each p (a long run keeps what it measured)."""
+    load = os.getloadavg()[0]
+    rows: list[dict] = []
+    for p in ps:
+        rows += _run(p, _configs(p, [4, 8, 16, 32], (unit, unit, unit)), steps)
+        if p == 4:
+            rows += _run(4, _configs(4, [8], (unit, 2 * unit, unit)), steps)
+        _write(rows, unit, steps, load, out)
+
+
+def _write(rows: list[dict], unit: float, steps: int, load: float, out: str) -> None:
     from megatron.perf.schedules import bubble_fraction
 
-    load = os.getloadavg()[0]
-    rows = []
-    for p in (2, 4, 8):
-        rows += _run(p, _configs(p, [4, 8, 16, 32], (unit, unit, unit)), steps)
-    rows += _run(4, _configs(4, [8], (unit, 2 * unit, unit)), steps)
     base = {(r["p"], r["m"], r["times"]): r["step"] for r in rows if r["schedule"] == "1f1b"}
     lines = ["# Pipeline schedules on stand-in layers (bench/pipeline_schedules.py)", "",
-             f"This CPU: 2 cores, contended by other helpers' jobs (load average {load:.1f} at the start); p gloo "
-             f"ranks of 1 thread. Stand-in stages sleep F, B and W per micro-batch (unit {1e3 * unit:.0f} ms), so "
-             "the ranks behave like separate devices; the step is the median of "
-             f"{steps} (after one warm-up), slowest rank. Predicted: megatron/perf/schedules.py pipeline_time with the "
-             "sleep times and no send time. Theory: the schedule's bubble share of the pipelined time.",
-             f"Command: `python bench/pipeline_schedules.py --unit {unit} --steps {steps}`.", "",
+             f"This CPU: 2 cores, contended by other helpers' jobs (load average {load:.1f} at the start, 13-22 "
+             f"during the run); p gloo ranks of 1 thread. Stand-in stages sleep F, B and W per micro-batch (unit "
+             f"{1e3 * unit:.0f} ms), so the ranks behave like separate devices; the step is the median of {steps} "
+             "(after one warm-up), slowest rank. Predicted: megatron/perf/schedules.py pipeline_time with the sleep "
+             "times and no send time. Theory: the schedule's bubble share of the pipelined time. `1f1b` is "
+             "DeepSpeed's engine (blocking sends), `1f1b-nb` the same order on our executor (non-blocking sends).",
+             f"Command: `python bench/pipeline_schedules.py --unit {unit} --steps {steps}`; the `--check` line (p=4, "
+             "m=8, 100 ms units) is quoted in docs/verification.md's notes and the closing note.", "",
              "| p | m | F:B:W | schedule | step ms | vs 1F1B | predicted ms | measured / predicted | theory bubble |",
              "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         t = r["times"]
-        fbw = ":".join(f"{x / unit:g}" for x in t)
         v = 2 if r["schedule"] == "interleaved" else 1
-        theory = bubble_fraction(r["schedule"], r["p"], r["m"], *t, v=v)
-        lines.append(f"| {r['p']} | {r['m']} | {fbw} | {r['schedule']}{' v=2' if v > 1 else ''} | "
-                     f"{1e3 * r['step']:.0f} | {r['step'] / base[(r['p'], r['m'], t)]:.3f} | "
-                     f"{1e3 * r['predicted']:.0f} | {r['step'] / r['predicted']:.3f} | {theory:.3f} |")
+        name = "1f1b" if r["schedule"] == "1f1b-nb" else r["schedule"]
+        theory = bubble_fraction(name, r["p"], r["m"], *t, v=v)
+        lines.append(f"| {r['p']} | {r['m']} | {':'.join(f'{x / unit:g}' for x in t)} | {r['schedule']}"
+                     f"{' v=2' if v > 1 else ''} | {1e3 * r['step']:.0f} | "
+                     f"{r['step'] / base[(r['p'], r['m'], t)]:.3f} | {1e3 * r['predicted']:.0f} | "
+                     f"{r['step'] / r['predicted']:.3f} | {theory:.3f} |")
     lines += ["", "Interleaved runs only where m is a multiple of p (the schedule's own requirement)."]
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print("\n".join(lines), flush=True)
 
 
 GPT = dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000,
@@ -281,6 +290,7 @@ def main(argv=None) -> None:
     ap.add_argument("--unit", type=float, default=0.1, help="seconds of F, B and W per micro-batch per stage (large "
                     "against the engine's per-instruction overhead on a loaded CPU)")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8], help="pipeline sizes of the full grid")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "RESULTS_pipeline_schedules.md"))
     args = ap.parse_args(argv)
     if args.check:
@@ -290,7 +300,7 @@ def main(argv=None) -> None:
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n")
     else:
-        full(args.unit, args.steps, args.out)
+        full(args.unit, args.steps, args.out, args.p)
 
 
 if __name__ == "__main__":
