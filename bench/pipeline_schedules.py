@@ -205,8 +205,7 @@ def _write(rows: list[dict], unit: float, steps: int, load: float, out: str) -> 
              "(after one warm-up), slowest rank. Predicted: megatron/perf/schedules.py pipeline_time with the sleep "
              "times and no send time. Theory: the schedule's bubble share of the pipelined time. `1f1b` is "
              "DeepSpeed's engine (blocking sends), `1f1b-nb` the same order on our executor (non-blocking sends).",
-             f"Command: `python bench/pipeline_schedules.py --unit {unit} --steps {steps}`; the `--check` line (p=4, "
-             "m=8, 100 ms units) is quoted in docs/verification.md's notes and the closing note.", "",
+             f"Command: `python bench/pipeline_schedules.py --unit {unit} --steps {steps}`.", "",
              "| p | m | F:B:W | schedule | step ms | vs 1F1B | predicted ms | measured / predicted | theory bubble |",
              "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
