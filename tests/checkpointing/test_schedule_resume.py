@@ -1,9 +1,10 @@
 """A run changes pipeline schedule on resume (the per-layer files are the same whatever the schedule). Saved under
 1F1B: resumed under zero-bubble H1 directly (the same layers on each rank, optimizer included) with the straight run's
-losses (within 1e-5 relative: the default ZB-H1 rounds differently, docs/verification.md); under interleaved 1F1B a
-resume with the optimizer is refused in one line (each rank's optimizer state follows its layers), and with
---no-load-optim its weights give the straight run's loss; and back, interleaved -> 1F1B, the weights the interleaved
-run saved give its own next loss. Through pretrain_gpt.py's flags, PP=2 on 2 fresh processes per run."""
+losses (within 1e-5 relative: the default ZB-H1 rounds differently, docs/verification.md); under interleaved 1F1B
+with --no-load-optim (with the optimizer it is refused in one line, tests/unit/test_validation.py: each rank's
+optimizer state follows its layers) its weights give the straight run's loss; and back, interleaved -> 1F1B, the
+weights the interleaved run saved give its own next loss. Through pretrain_gpt.py's flags, PP=2 on 2 fresh processes
+per run."""
 
 import os
 
@@ -36,8 +37,6 @@ def test_resume_under_another_schedule(tmp_path):
     assert len(set(straight.values())) == 4, straight
     _point_latest(first, "global_step2")
     _close(pretrain_on(2, ARGS + ZBH1 + ["--load", str(first)])["losses"], {3: straight[3], 4: straight[4]})
-    with pytest.raises(RuntimeError, match="model chunk"):  # a rank's error fails its launch
-        pretrain_on(2, ARGS + INTERLEAVED + ["--load", str(first)])
     interleaved = pretrain_on(2, ARGS + INTERLEAVED + ["--load", str(first), "--no-load-optim", "--save", str(second),
                                                        "--save-interval", "3"])["losses"]
     _close({3: interleaved[3]}, {3: straight[3]})  # the weights; the restarted moments change iteration 4
