@@ -57,7 +57,6 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
     check_saved_layout(saved, run, where)
     if not load_optim:
         return
-    check_chunks(p, saved["run"]["model"].get("num_layers", run.model.num_layers), run, where)
     # ZeRO partitions over every rank of the data-parallel dimension, DeepSpeed-Ulysses' SP ranks included.
     saved_dp = p["world_size"] // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
     now_dp = run.parallel.dp * run.parallel.ulysses
@@ -76,17 +75,14 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> N
                               "pass --no-load-optim")
 
 
-def check_chunks(saved_parallel: dict, num_layers: int, run: RunConfig, where: str) -> None:
-    """The optimizer state of a pipeline rank follows the layers it holds: 1F1B and zero-bubble H1 place them
-    alike (the schedule may change on resume), interleaving with v chunks per rank places them otherwise."""
-    n, pp = saved_parallel.get("num_layers_per_virtual_pipeline_stage"), saved_parallel["pipeline_model_parallel_size"]
-    saved_v = num_layers // (pp * n) if n and pp > 1 else 1
-    now_v = run.parallel.virtual_stages(run.model.num_layers)
-    if saved_v != now_v:
-        raise ConfigError(f"--load {where}: saved with {saved_v} model chunk(s) per pipeline rank "
-                          f"(--num-layers-per-virtual-pipeline-stage), now {now_v}: each rank's optimizer state "
-                          "follows its layers. Keep the chunks per rank, or pass --no-load-optim (the weights carry "
-                          "over, the Adam moments restart)")
+def chunks_changed(saved: dict, run: RunConfig) -> bool:
+    """Whether the checkpoint described by ``saved`` placed the layers on its pipeline ranks otherwise than this run
+    does: 1F1B and zero-bubble H1 place them alike, interleaving with v chunks per rank otherwise. Each rank's
+    optimizer files then hold other layers' moments: they are carried by name (full_state/format.carry_moments)."""
+    p = saved["run"]["parallel"]
+    n, pp = p.get("num_layers_per_virtual_pipeline_stage"), p["pipeline_model_parallel_size"]
+    saved_v = saved["run"]["model"].get("num_layers", run.model.num_layers) // (pp * n) if n and pp > 1 else 1
+    return saved_v != run.parallel.virtual_stages(run.model.num_layers)
 
 
 def check_saved_layout(saved: dict, run, where: str) -> None:
