@@ -27,9 +27,11 @@ def model_provider(run, pstate):
     if run.parallel.pp > 1:
         from megatron.model.gpt_model_pipe import GPTModelPipe
 
-        return GPTModelPipe(run.model, pstate, sequence_parallel=run.parallel.sequence_parallel,
-                            init_seed=run.training.seed,
-                            standalone_embedding_stage=run.parallel.standalone_embedding_stage)
+        p = run.parallel  # the pipeline schedule's chunks per rank and deferred weight gradients
+        return GPTModelPipe(run.model, pstate, sequence_parallel=p.sequence_parallel, init_seed=run.training.seed,
+                            standalone_embedding_stage=p.standalone_embedding_stage,
+                            virtual_stages=p.virtual_stages(run.model.num_layers),
+                            defer_weight_grads=p.pipeline_schedule in ("zbh1", "zbh1-exact"))
     from megatron.model.gpt_model import GPTModel
 
     return GPTModel(run.model, tp=pstate.tp, sequence_parallel=run.parallel.sequence_parallel,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import deepspeed
+import torch
 
 from megatron.errors import ConfigError
 
@@ -37,7 +38,8 @@ class Touch:
 @dataclass(frozen=True)
 class Override:
     """A DeepSpeed method one of our subclasses replaces. ``called_from`` (with ``call``) is where DeepSpeed calls it:
-    an override DeepSpeed stops calling breaks silently."""
+    an override DeepSpeed stops calling breaks silently. The override takes ``params`` first and may add keyword
+    parameters with defaults (our pipeline instructions' ``chunk``)."""
 
     ours: str
     where: str
@@ -112,6 +114,20 @@ TOUCHES: tuple[Touch, ...] = (
                                                                                 "self.global_rank = ")),
     Touch("set_pipeline_partition", "_set_bounds", f"{_PIPE_MODULE}._set_bounds", ("self", "start", "stop"),
           text=("self._local_start = start", "self._local_stop = stop")),
+    Touch("set_layer_bounds", "_set_bounds", f"{_PIPE_MODULE}._set_bounds", ("self", "start", "stop"),
+          text=("self._local_start = start", "self._local_stop = stop")),
+    Touch("pipeline_instruction_map", "_INSTRUCTION_MAP", f"{_PIPE_ENGINE}._INSTRUCTION_MAP", kind=dict),
+    Touch("pipeline_instruction_map", "_INSTRUCTION_MAP", f"{_PIPE_ENGINE}._exec_schedule",
+          ("self", "pipe_schedule"), text=("self._INSTRUCTION_MAP[type(cmd)]",)),
+    Touch("send_pipe_meta", "_send_tensor_meta", f"{_PIPE_ENGINE}._send_tensor_meta", ("self", "buffer", "recv_stage")),
+    Touch("recv_pipe_meta", "_recv_tensor_meta", f"{_PIPE_ENGINE}._recv_tensor_meta", ("self", "send_stage"),
+          text=("return self._allocate_or_extend_buffers(0, recv_shape, recv_dtype)", "buffers = tuple(buffers)")),
+    Touch("engine_backward", "_running_engine_backward", f"{_ENGINE}._backward_post_hook", ("self",),
+          text=("if not self._running_engine_backward:",)),
+    Touch("engine_backward", "_running_engine_backward", f"{_PIPE_ENGINE}._exec_backward_pass",
+          text=("self._running_engine_backward = True",)),
+    Touch("pipeline_engine_class", "PipelineEngine", "deepspeed.initialize",
+          text=("engine_cls = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine",)),
     Touch("engine_ds_config", "_config", f"{_ENGINE}.__init__", text=("self._config = config_class",)),
     Touch("engine_ds_config", "_config", f"{_TORCH_CKPT}.__init__", ("self", "config_params"),
           text=("self.zipfile_serialization = ",)),
@@ -138,12 +154,43 @@ TOUCHES: tuple[Touch, ...] = (
 )
 
 OVERRIDES: tuple[Override, ...] = (
-    Override("megatron.model.gpt_model_pipe.GPTModelPipe", f"{_PIPE_MODULE}._partition_layers", ("self", "method"),
-             "our stage split is analytic (DeepSpeed's 'parameters' builds every layer to count it) and puts the "
-             "remainder on the first stages", f"{_PIPE_MODULE}.__init__", "self._partition_layers(method="),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}._partition_layers",
+             ("self", "method"), "the virtual stages' split given by the model (GPTModelPipe's is analytic: "
+             "DeepSpeed's 'parameters' builds every layer to count it; it puts the remainder on the first stages)",
+             f"{_PIPE_MODULE}.__init__", "self._partition_layers(method="),
     Override("megatron.model.gpt_model_pipe.GPTModelPipe", f"{_PIPE_MODULE}._synchronize_tied_weights", ("self",),
              "DeepSpeed's in-place broadcast of the tied weight, under no_grad (else autograd warns on every "
              "backward)", f"{_PIPE_MODULE}.__init__", "self._synchronize_tied_weights()"),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}._build", ("self",),
+             "builds each of the rank's model chunks (interleaved schedule)", f"{_PIPE_MODULE}.__init__",
+             "self._build()"),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}.stage_owner",
+             ("self", "layer_idx"), "the rank of a layer's virtual stage (the tied embedding's group)",
+             f"{_PIPE_MODULE}._index_tied_modules", "self.stage_owner(idx)"),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}.save_state_dict",
+             ("self", "save_dir", "checkpoint_engine", "exclude_frozen_params"), "every chunk's layer files",
+             f"{_PIPE_ENGINE}.module_state_dict", "self.module.save_state_dict("),
+    Override("megatron.core.pipeline.module.ChunkedPipelineModule", f"{_PIPE_MODULE}.load_state_dir",
+             ("self", "load_dir", "checkpoint_engine", "strict"), "every chunk's layer files",
+             f"{_PIPE_ENGINE}.load_module_state_dict", "self.module.load_state_dir("),
+    *(Override("megatron.core.pipeline.engine.ScheduledPipelineEngine", f"{_PIPE_ENGINE}.{name}", params,
+               "zero-bubble H1 and interleaved 1F1B (megatron/core/pipeline/engine.py)",
+               f"{_PIPE_ENGINE}.{caller}" if caller else None, call)
+      for name, params, caller, call in (
+          ("_train_schedule", ("self",), "train_batch", "sched = self._train_schedule()"),
+          ("_inference_schedule", ("self", "micro_batches"), "eval_batch",
+           "sched = self._inference_schedule(micro_batches)"),
+          ("is_first_stage", ("self",), "_exec_load_micro_batch", "if self.is_first_stage():"),
+          ("is_last_stage", ("self",), "_exec_forward_pass", "if self.is_last_stage():"),
+          ("train_batch", ("self", "data_iter"), None, ""),
+          ("reset_activation_shape", ("self",), None, ""),
+          ("_exec_load_micro_batch", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_forward_pass", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_backward_pass", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_send_activations", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_recv_activations", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_send_grads", ("self", "buffer_id"), "_exec_schedule", "self._INSTRUCTION_MAP[type(cmd)]"),
+          ("_exec_recv_grads", ("self", "buffer_id"), None, ""))),
     Override("megatron.model.moe.MoE", "deepspeed.moe.layer.MoE.set_deepspeed_parallelism",
              ("self", "use_data_before_expert_parallel_"),
              "our expert groups exist already (set_expert_groups); DeepSpeed's would make its own",
@@ -235,12 +282,87 @@ def set_pipeline_partition(module, parts: list[int]) -> None:
     this rank's stage bounds.
 
     DeepSpeed 0.19.8, deepspeed/runtime/pipe/module.py: ``PipelineModule._topo`` (the grid, set in ``__init__``),
-    ``global_rank`` and ``_set_bounds(start, stop)``. Why: GPTModelPipe overrides ``_partition_layers``
+    ``global_rank`` and ``_set_bounds(start, stop)``. Why: ChunkedPipelineModule overrides ``_partition_layers``
     (``OVERRIDES``)."""
     _require("set_pipeline_partition")
     module.parts = parts
     stage = module._topo.get_coord(module.global_rank).pipe
     module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+
+def set_layer_bounds(module, start: int, stop: int) -> None:
+    """Make specs [start, stop) the layers ``module`` builds, saves and loads now (one chunk of a rank's).
+
+    DeepSpeed 0.19.8, deepspeed/runtime/pipe/module.py: ``PipelineModule._set_bounds(start, stop)``, read by its
+    ``_build`` and its layer-file paths. Why: megatron/core/pipeline/module.py holds several chunks per rank."""
+    _require("set_layer_bounds")
+    module._set_bounds(start=start, stop=stop)
+
+
+def pipeline_instruction_map(extra: dict) -> dict:
+    """DeepSpeed's instruction map (instruction class -> engine method) with ``extra``'s entries added or replaced,
+    for a PipelineEngine subclass's own ``_INSTRUCTION_MAP``.
+
+    DeepSpeed 0.19.8, deepspeed/runtime/pipe/engine.py: ``PipelineEngine._INSTRUCTION_MAP``, read through ``self`` in
+    ``_exec_schedule`` (DualPipeVEngine extends it the same way). Why: megatron/core/pipeline/engine.py."""
+    _require("pipeline_instruction_map")
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return {**PipelineEngine._INSTRUCTION_MAP, **extra}
+
+
+def send_pipe_meta(engine, outputs, stage: int) -> None:
+    """Send the shapes and dtypes of ``outputs`` (a tensor or a tuple) to pipeline ``stage`` (blocking).
+
+    DeepSpeed 0.19.8, deepspeed/runtime/pipe/engine.py: ``PipelineEngine._send_tensor_meta(buffer, recv_stage)``.
+    Why: the first send of each chunk of megatron/core/pipeline/engine.py, in DeepSpeed's own format."""
+    _require("send_pipe_meta")
+    engine._send_tensor_meta(outputs, stage)
+
+
+def recv_pipe_meta(engine, stage: int) -> tuple[bool, list[tuple[torch.Size, torch.dtype]]]:
+    """(one tensor rather than a tuple, [(shape, dtype)] of each) of what pipeline ``stage`` will send.
+
+    DeepSpeed 0.19.8, deepspeed/runtime/pipe/engine.py: ``PipelineEngine._recv_tensor_meta(send_stage)``, which
+    returns buffers of those shapes (its shared ones: only their shapes and dtypes are kept)."""
+    _require("recv_pipe_meta")
+    buffers = engine._recv_tensor_meta(stage)
+    single = torch.is_tensor(buffers)
+    return single, [(t.shape, t.dtype) for t in ([buffers] if single else buffers)]
+
+
+@contextlib.contextmanager
+def engine_backward(engine) -> Iterator[None]:
+    """Within, ``engine`` counts as running its own backward: ZeRO's post-backward callbacks leave the gradients
+    alone, as in a non-last pipeline stage's backward.
+
+    DeepSpeed 0.19.8, deepspeed/runtime/engine.py: ``DeepSpeedEngine._running_engine_backward``, read by
+    ``_backward_post_hook`` and set around the backward by ``PipelineEngine._exec_backward_pass``. Why: the weight
+    pass of zero-bubble H1 (megatron/core/pipeline/engine.py)."""
+    _require("engine_backward")
+    saved = engine._running_engine_backward
+    engine._running_engine_backward = True
+    try:
+        yield
+    finally:
+        engine._running_engine_backward = saved
+
+
+@contextlib.contextmanager
+def pipeline_engine_class(engine_cls: Callable) -> Iterator[None]:
+    """Within, ``deepspeed.initialize`` builds a pipeline module's engine with ``engine_cls`` (called as
+    DeepSpeed calls ``PipelineEngine``).
+
+    DeepSpeed 0.19.8, deepspeed/__init__.py ``initialize``: ``engine_cls = DualPipeVEngine if ... else
+    PipelineEngine`` (the module global). Why: megatron/engine.py's ScheduledPipelineEngine, without copying the
+    engine construction."""
+    _require("pipeline_engine_class")
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = engine_cls
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = saved
 
 
 def engine_ds_config(engine):

@@ -13,6 +13,8 @@ warning. The JSON 'optimizer'/'scheduler' sections are not used, as upstream (on
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 
@@ -26,6 +28,7 @@ from megatron.compat.ds_json import load_ds_config
 from megatron.config import RunConfig
 from megatron.core import hierarchical_zero
 from megatron.core.parallel_state import ParallelState
+from megatron.core.pipeline.engine import ScheduledPipelineEngine
 from megatron.errors import ConfigError
 from megatron.model.moe import MoE
 from megatron.model.moe_experts import expert_group_name
@@ -101,13 +104,16 @@ def build_ds_config(run: RunConfig) -> dict:
     if run.model.moe.enabled and p.zero_stage == 2 and zero.get("contiguous_gradients") is False:
         raise ConfigError(f"{source} sets zero_optimization.contiguous_gradients=false with --num-experts: DeepSpeed's "
                           "ZeRO-2 partitions expert gradients only from the contiguous buffer; drop the key")
-    if p.pp > 1 and (p.sequence_parallel or run.model.moe.enabled):
+    schedule = p.pipeline_schedule
+    if p.pp > 1 and (p.sequence_parallel or run.model.moe.enabled or schedule != "1f1b"):
         # The engine's pipe/grad partitioning sends 1/TP of a stage's output and all-gathers it on the next
         # stage, assuming every TP rank holds the same tensor; with SP each holds its own sequence slice. With
         # experts a stage sends two tensors that need gradients, which its partitioning cannot (upstream asserts).
+        # The zero-bubble and interleaved schedules (megatron/core/pipeline/engine.py) send whole tensors.
         pipe_cfg = cfg.setdefault("pipeline", {})
         why = "corrupts activations with --sequence-parallel: drop the key or --sequence-parallel" \
-            if p.sequence_parallel else "cannot send the MoE loss between stages (--num-experts): drop the key"
+            if p.sequence_parallel else "cannot send the MoE loss between stages (--num-experts): drop the key" \
+            if run.model.moe.enabled else f"is not built for the {schedule} pipeline schedule: drop the key"
         for key in ("pipe_partitioned", "grad_partitioned"):
             if pipe_cfg.get(key):
                 raise ConfigError(f"{source} sets pipeline.{key}=true, which {why}")
@@ -238,18 +244,30 @@ def initialize_engine(model: torch.nn.Module, run: RunConfig, pstate: ParallelSt
         # The engine then steps the schedule by that inflated count (it passes no lr_kwargs): count samples.
         scheduler.engine_samples_per_sample = pstate.ulysses.size
     # The pipeline engine takes its groups from the module's grid (which matches ``pstate``) and refuses an mpu.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           mpu=None if pipeline else pstate, config=ds_config)
+    schedule = run.parallel.pipeline_schedule
+    if pipeline and schedule != "1f1b":  # zero-bubble H1 / interleaved; 1F1B stays DeepSpeed's own engine
+        v = run.parallel.virtual_stages(run.model.num_layers)
+        if getattr(model, "num_chunks", 1) != v:
+            raise ConfigError(f"the {schedule} pipeline schedule needs a model of {v} chunk(s) per rank: build "
+                              f"GPTModelPipe with virtual_stages={v} (pretrain_gpt.py's model_provider does)")
+        chosen = ds_seams.pipeline_engine_class(functools.partial(ScheduledPipelineEngine, schedule=schedule))
+    else:
+        chosen = contextlib.nullcontext()
+    with chosen:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               mpu=None if pipeline else pstate, config=ds_config)
     if pipeline:
         _track_pipeline_phases(engine)
     return engine
 
 
-# DeepSpeed's 1F1B schedule instructions, under the names the progress record gives them (the hang verdict and the
+# The pipeline schedules' instructions (DeepSpeed's 1F1B, megatron/core/pipeline's), under the names the progress
+# record gives them (the hang verdict and the
 # straggler report read these phases; the plain engine's are set by megatron/training/step.py).
 _PIPE_PHASES = {"LoadMicroBatch": "data", "ForwardPass": "forward", "BackwardPass": "backward",
-                "SendActivation": "send activation", "RecvActivation": "recv activation", "SendGrad": "send grad",
-                "RecvGrad": "recv grad", "ReduceGrads": "reduce grads", "ReduceTiedGrads": "reduce tied grads",
+                "BackwardInputPass": "backward", "WeightPass": "backward", "SendActivation": "send activation",
+                "RecvActivation": "recv activation", "SendGrad": "send grad", "RecvGrad": "recv grad",
+                "DrainSends": "send grad", "ReduceGrads": "reduce grads", "ReduceTiedGrads": "reduce tied grads",
                 "OptimizerStep": "optimizer"}
 
 

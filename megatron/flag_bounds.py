@@ -55,6 +55,8 @@ BOUNDS: dict[str, Bound] = {
     # parallelism
     "tensor_model_parallel_size": Bound(1, 2**16),                     # sanity; divides the world (ParallelConfig)
     "pipeline_model_parallel_size": Bound(1, 2**16),                   # sanity; <= --num-layers (ParallelConfig)
+    "num_layers_per_virtual_pipeline_stage": Bound(1, SIZE),           # divides --num-layers / PP (RunConfig)
+    "virtual_pipeline_model_parallel_size": Bound(1, SIZE),            # divides --num-layers / PP (configure)
     "distributed_timeout_minutes": Bound(0, WEEK_MIN, open="lo"),      # timedelta and gloo need a finite timeout
     "local_rank": Bound(0, 2**16, {-1: "means unset (the launcher's environment decides)"}),
     # model

@@ -29,6 +29,7 @@ from megatron.perf.comm import estimate_comm
 from megatron.perf.layout import DTYPE_BYTES, Layout
 from megatron.perf.memory import GCD_MEMORY_BYTES, GIB
 from megatron.perf.planner import Candidate, SearchSpace, evaluate, plan
+from megatron.perf.schedules import schedule_flags
 from megatron.topology import GCDS_PER_NODE, TIERS
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage")
@@ -152,6 +153,19 @@ def comm_line(model: ModelConfig, layout: Layout) -> str:
     return f"sent per step by one GCD (GB, by link tier): {text}"
 
 
+def schedule_line(c: Candidate) -> str:
+    """The chosen pipeline schedule, its flags and its predicted bubble (its ranking used it)."""
+    lay, t = c.layout, c.time
+    schedule = lay.pipeline_schedule
+    flags = schedule_flags(schedule, lay.num_layers_per_virtual_pipeline_stage) or "(none: DeepSpeed's default)"
+    line = (f"pipeline schedule: {schedule} | flags: {flags} | predicted bubble {t.bubble:.2f} s "
+            f"({100 * t.bubble / t.total:.1f}% of the {t.total:.1f} s step)")
+    if schedule == "zbh1":
+        line += (" | --enable-zbh1-exact-semantics keeps 1F1B's bits at the same predicted cost "
+                 "(bench/RESULTS_pipeline_schedules.md)")
+    return line
+
+
 def _gib(x: float) -> str:
     return f"{x / GIB:5.1f}"
 
@@ -233,6 +247,9 @@ def sbatch_command(model: ModelConfig, layout: Layout, ds_config_path: str | Non
             flags.append(f"--mlp-type {m.mlp_type}")
         if m.enable_expert_tensor_parallelism:
             flags.append("--enable-expert-tensor-parallelism")
+    schedule = schedule_flags(layout.pipeline_schedule, layout.num_layers_per_virtual_pipeline_stage)
+    if schedule:
+        flags.append(schedule)
     flags += ["--deepspeed", f"--zero-stage {layout.zero_stage}"]
     if ds_config_path:
         flags.append(f"--deepspeed_config {ds_config_path}")
@@ -315,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(ds_config(best.layout), f, indent=2)
             f.write("\n")
         print(f"ds_config: {args.write_ds_config}")
+    print(schedule_line(best))
     print("sbatch: " + sbatch_command(model, best.layout, args.write_ds_config))
     lay, t = best.layout, best.time
     print(f"best: TP={lay.tp} PP={lay.pp} DP={lay.dp} MBS={lay.micro_batch_size} ZeRO={lay.zero_stage} | "

@@ -1,7 +1,8 @@
 """Convert a checkpoint saved at one TP/PP/ZeRO layout into a full-state directory that ``--load`` reads at
 any other layout. Carried over: weights, Adam moments (exp_avg, exp_avg_sq, step; from hierarchical ZeRO,
-ZeRO-1/2 and non-pipeline ZeRO-0 checkpoints), iteration, consumed samples, LR schedule position. Restarted: RNG
-states (they are partitioned by layout), and the moments of ZeRO-3 / pipeline ZeRO-0 checkpoints (said when so).
+ZeRO-1/2 and ZeRO-0 checkpoints; under pipeline ZeRO-0 when its names were recorded), iteration, consumed samples, LR
+schedule position. Restarted: RNG states (they are partitioned by layout), and the moments of ZeRO-3 checkpoints (said
+when so).
 See docs/checkpoints.md#resharding-full-state-conversion.
 
     python tools/reshard_checkpoint.py --load CHECKPOINTS [--tag global_step100] --save FULL_STATE_DIR

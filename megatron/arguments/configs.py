@@ -140,7 +140,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
     """The RunConfig of the flags with ``data`` as its data settings (what run_config_from_args checks first, a dry
     run does not need)."""
     model = model_config_from_args(args, vocab_size)
-    parallel = _by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0)
+    parallel = _by_name(ParallelConfig, args, world_size=world_size, zero_stage=args.zero_stage or 0,
+                        num_layers_per_virtual_pipeline_stage=_layers_per_chunk(args, model.num_layers))
     fields = with_deepspeed_json(dict(
         model=model,
         parallel=parallel,
@@ -167,6 +168,23 @@ def build_run_config(args: argparse.Namespace, world_size: int, vocab_size: int,
                      flags=dict(vars(args), tokenizer_type=data.tokenizer_type))
 
 
+def _layers_per_chunk(args: argparse.Namespace, num_layers: int) -> int | None:
+    """--num-layers-per-virtual-pipeline-stage, or Megatron-LM's --virtual-pipeline-model-parallel-size V as
+    num_layers / (PP x V); None when one chunk per rank results (that is the 1F1B schedule)."""
+    n, v, pp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size, \
+        args.pipeline_model_parallel_size
+    if v is not None:
+        if n is not None:
+            raise ConfigError("--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage are "
+                              "the same setting (Megatron-LM's and upstream's): keep one")
+        if num_layers % (pp * v):
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {v}: --num-layers {num_layers} is not a "
+                              f"multiple of {v} x --pipeline-model-parallel-size {pp}; use a V with V x {pp} dividing "
+                              f"{num_layers}")
+        n = num_layers // (pp * v)
+    return None if n is not None and pp > 1 and n * pp == num_layers else n
+
+
 def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig,
                precision: PrecisionConfig) -> tuple[str, ...]:
     """Flags that are provable no-ops for this command line (as upstream), said once in the log."""
@@ -184,6 +202,13 @@ def flag_notes(args: argparse.Namespace, model: ModelConfig, parallel: ParallelC
                      "its matmul and --compile compiles the squared ReLU alone, as upstream")
     if model.embedding_weights_in_fp32 and precision.name == "fp32":
         notes.append("> --embedding-weights-in-fp32 has no effect in an fp32 run: the table is fp32 already")
+    if args.enable_zbh1_pipeline and parallel.pp == 1:
+        notes.append("> --enable-zbh1-pipeline has no effect with --pipeline-model-parallel-size 1 (one stage has "
+                     "no bubble to fill), as upstream")
+    chunk = args.num_layers_per_virtual_pipeline_stage or args.virtual_pipeline_model_parallel_size
+    if chunk and parallel.pp > 1 and parallel.num_layers_per_virtual_pipeline_stage is None:
+        notes.append("> --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size give one "
+                     "model chunk per rank: that is the 1F1B schedule, which runs")
     if parallel.ep > 1 and not model.moe.enabled:
         notes.append(f"> --moe-expert-parallel-size {parallel.ep} has no effect: no layer has experts "
                      "(--num-experts), as upstream")

@@ -18,6 +18,15 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="use the plain GPTModel (no DeepSpeed pipeline engine); needed for ZeRO-2/3")
+    g.add_argument("--enable-zbh1-pipeline", action="store_true",
+                   help="upstream's zero-bubble H1 schedule: weight gradients deferred into the pipeline bubble "
+                        "(docs/training.md, 'Pipeline schedules')")
+    g.add_argument("--enable-zbh1-exact-semantics", action="store_true",
+                   help="with --enable-zbh1-pipeline: weight gradients applied in micro-batch order (1F1B's bits)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each rank holds --num-layers / (PP x N) model chunks of N layers")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="Megatron-LM's spelling of the interleaved schedule: V model chunks per rank")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="DeepSpeed-Ulysses: split each sequence over this many ranks of the data-parallel dimension")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from megatron.checkpointing.ds_layout.format import DeepSpeedFormat
-from megatron.checkpointing.full_state.format import FullStateFormat
+from megatron.checkpointing.full_state.format import FullStateFormat, carry_moments
 from megatron.checkpointing.hzero.format import HierarchicalZeroFormat
 from megatron.checkpointing.live.async_save import AsyncSaver
 from megatron.checkpointing.live.commit import name_leftovers, say
@@ -84,7 +84,10 @@ class Checkpointer:
         """Collective. Restores weights, optimizer, LR schedule, RNG states, iteration and consumed samples (as the
         flags allow). Without a checkpoint in ``--load`` the run starts from scratch."""
         name_leftovers(self.settings)
-        return self.source.resume(engine)
+        resume = self.source.resume(engine)
+        if getattr(self.source, "moments_moved", None):  # another chunking: the moments go by name
+            carry_moments(engine, self.source.run, self.source.pstate, *self.source.moments_moved)
+        return resume
 
     def save(self, engine, iteration: int, consumed_samples: int, saver: AsyncSaver | None = None) -> str:
         """Collective: every rank calls it (to ``--save``). Returns the final checkpoint directory. With ``saver``

@@ -108,6 +108,12 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
     if not relayout_possible(saved, run):
         _refuse_zero3_change(before, now, load_optim, where)
         return None
+    v_saved, v_now = saved_virtual_stages(saved, run), run.parallel.virtual_stages(run.model.num_layers)
+    if max(v_saved, v_now) > 1:  # relayout/ reads stages of consecutive layers, not interleaved chunks
+        raise ConfigError(f"--load {where}: another layout ({before} -> {now}) together with "
+                          f"the interleaved schedule ({v_saved} -> {v_now} model chunks per rank) is not read in "
+                          "place: change one at a time (resume at the saved layout without "
+                          "--num-layers-per-virtual-pipeline-stage and save, then change the layout)")
     check_data_order(saved, run, before, now, where)
     return LayoutChange(before, now, tuple(_notes(saved, run)))
 
@@ -171,6 +177,20 @@ def _notes(saved: dict, run: RunConfig) -> list[str]:
                    + (f"rows {was}-{now - 1} start at zero" if now > was else f"rows {now}-{was - 1} are dropped")
                    + "; the loss continues close to, not exactly, the straight run's")
     return out
+
+
+def saved_virtual_stages(saved: dict, run: RunConfig) -> int:
+    """Model chunks per pipeline rank of the checkpoint described by ``saved`` (1 under 1F1B and zero-bubble H1)."""
+    p = saved["run"]["parallel"]
+    n, pp = p.get("num_layers_per_virtual_pipeline_stage"), p["pipeline_model_parallel_size"]
+    return saved["run"]["model"].get("num_layers", run.model.num_layers) // (pp * n) if n and pp > 1 else 1
+
+
+def chunks_changed(saved: dict, run: RunConfig) -> bool:
+    """Whether the checkpoint described by ``saved`` placed the layers on its pipeline ranks otherwise than this run
+    does: 1F1B and zero-bubble H1 place them alike, interleaving with v chunks per rank otherwise. Each rank's
+    optimizer files then hold other layers' moments: they are carried by name (full_state/format.carry_moments)."""
+    return saved_virtual_stages(saved, run) != run.parallel.virtual_stages(run.model.num_layers)
 
 
 def check_saved_layout(saved: dict, run, where: str) -> None:

@@ -177,10 +177,6 @@ REFUSALS: dict[str, Refused] = {
     "--decoder-num-layers": Refused("an encoder-decoder (T5) setting; GPT has one layer stack: use --num-layers"),
     "--pipeline-model-parallel-split-rank": Refused("an encoder-decoder (T5) pipeline split; GPT has no decoder: drop "
                                                     "the flag"),
-    "--num-layers-per-virtual-pipeline-stage": Refused(
-        "DeepSpeed's pipeline engine has no interleaved schedule: drop the flag (1F1B is used)"),
-    "--enable-zbh1-pipeline": Refused("the zero-bubble schedule is not built: drop the flag (1F1B is used)"),
-    "--enable-zbh1-exact-semantics": Refused("the zero-bubble schedule is not built: drop the flag"),
     "--random-ltd": Refused("DeepSpeed's random layer-token drop (its data-efficiency library) is not wired into this "
                             "model: drop the flag"),
     "--ds-inference": Refused("upstream's DeepSpeed-inference text generation, not pretraining: drop the flag"),

@@ -35,6 +35,14 @@ class ParallelConfig:
     standalone_embedding_stage: bool = False
     """--standalone-embedding-stage: pipeline stage 0 holds the embedding alone and the transformer layers are split
     over the other PP - 1 stages (Megatron's meaning; upstream's --deepspeed pipeline ignores the flag)."""
+    enable_zbh1_pipeline: bool = False
+    """--enable-zbh1-pipeline: upstream's zero-bubble H1 schedule (weight gradients deferred into the bubble,
+    megatron/core/pipeline); no effect at PP=1."""
+    enable_zbh1_exact_semantics: bool = False
+    """--enable-zbh1-exact-semantics: ZB-H1 applying weight gradients in micro-batch order (1F1B's bits)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """--num-layers-per-virtual-pipeline-stage N: interleaved 1F1B, each rank holding num_layers / (PP x N) chunks
+    of N layers (Megatron-LM's --virtual-pipeline-model-parallel-size V gives N = num_layers / (PP x V))."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp == 1:
@@ -58,6 +66,20 @@ class ParallelConfig:
         return self.moe_expert_parallel_size
 
     @property
+    def pipeline_schedule(self) -> str:
+        """'1f1b' (DeepSpeed's), 'zbh1', 'zbh1-exact' or 'interleaved' (megatron/core/pipeline/orders.py)."""
+        if self.pp == 1:
+            return "1f1b"
+        if self.enable_zbh1_pipeline:
+            return "zbh1-exact" if self.enable_zbh1_exact_semantics else "zbh1"
+        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (v): num_layers / (PP x N) when interleaved, else 1."""
+        n = self.num_layers_per_virtual_pipeline_stage
+        return 1 if self.pipeline_schedule != "interleaved" else num_layers // (self.pp * n)
+
+    @property
     def dp(self) -> int:
         """Pure data parallelism: ranks that load different samples (SP ranks share theirs)."""
         return self.world_size // (self.tp * self.pp * self.ulysses)
@@ -78,10 +100,26 @@ class ParallelConfig:
         check_world_divides(self.world_size, self.tp, self.pp, self.ulysses)
         if self.zero_hierarchy:  # --zero-hierarchy, or the DeepSpeed JSON's megatron_frontier section
             self._validate_zero_hierarchy()
+        self._validate_schedule()
         if self.pp > 1 and self.zero_stage >= 2:
             raise ConfigError(f"ZeRO-{self.zero_stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's "
                               "pipeline engine supports ZeRO 0/1 only; use --zero-stage 1, or --no-pipeline-parallel "
                               "with --pipeline-model-parallel-size 1")
+
+    def _validate_schedule(self) -> None:
+        """The pipeline schedule's flags among themselves (RunConfig checks them against the layers and batch)."""
+        check_fields(self, {"num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage"})
+        if self.enable_zbh1_exact_semantics and not self.enable_zbh1_pipeline:
+            raise ConfigError("--enable-zbh1-exact-semantics needs --enable-zbh1-pipeline (upstream asserts the "
+                              "same): add it or drop the flag")
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return
+        if self.enable_zbh1_pipeline:
+            raise ConfigError("--enable-zbh1-pipeline and --num-layers-per-virtual-pipeline-stage: choose one "
+                              "pipeline schedule")
+        if self.pp == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (it "
+                              "interleaves pipeline stages): drop it or add stages")
 
     def validate_expert_parallel(self) -> None:
         """With experts (RunConfig checks a model's; the planner's layouts set EP only for one)."""

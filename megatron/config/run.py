@@ -52,6 +52,7 @@ class RunConfig:
         self.model.validate(p.tp)
         self._validate_sequence_parallel()
         self._validate_moe()
+        self._validate_pipeline_schedule()
         self.precision.validate()
         if self.model.fp32_residual_connection and not (self.precision.bf16 or self.precision.fp16):
             raise ConfigError("--fp32-residual-connection needs --bf16 or --fp16 (upstream asserts it too): an fp32 "
@@ -104,23 +105,65 @@ class RunConfig:
             raise ConfigError(f"{what}: DeepSpeed's ZeRO-3 does not shard expert parameters (its engine refuses MoE); "
                               f"use {fix} 1 or 2")
 
+    def _validate_pipeline_schedule(self) -> None:
+        """What the zero-bubble and interleaved schedules (megatron/core/pipeline) cannot serve, one line each."""
+        p, m, t = self.parallel, self.model, self.training
+        schedule = p.pipeline_schedule
+        layer_stages = p.pp - 1 if p.standalone_embedding_stage else p.pp  # stage 0 holds the embedding alone
+        if m.num_layers < layer_stages:
+            raise ConfigError(f"--pipeline-model-parallel-size {p.pp} with --num-layers {m.num_layers}: a pipeline "
+                              f"stage would hold no transformer layer; use at most {m.num_layers} stages")
+        if schedule in ("zbh1", "zbh1-exact") and m.torch_compile:
+            raise ConfigError("--enable-zbh1-pipeline with --compile: torch.compile cannot trace the deferred weight "
+                              "gradients; drop one")
+        if schedule != "interleaved":
+            return
+        n, flag = p.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"
+        if p.standalone_embedding_stage:
+            raise ConfigError(f"{flag} {n} with --standalone-embedding-stage: the interleaved layout splits the layers "
+                              "evenly over every rank's chunks, stage 0's included; drop one of the two")
+        if m.num_layers % (p.pp * n):
+            raise ConfigError(f"{flag} {n}: --num-layers {m.num_layers} is not a multiple of {n} x "
+                              f"--pipeline-model-parallel-size {p.pp}; use an N with N x {p.pp} dividing "
+                              f"{m.num_layers}")
+        if t.global_batch_size is None:
+            return
+        block = t.micro_batch_size * p.dp
+        batches = [t.global_batch_size]
+        if t.rampup_batch_size is not None:  # every step of the ramp runs the schedule
+            start, incr, _ = t.rampup_batch_size
+            batches = list(range(start, t.global_batch_size, max(incr, 1))) + batches
+        for gbs in batches:
+            if (gbs // block) % p.pp:
+                raise ConfigError(f"{flag}: {gbs // block} micro-batches per pipeline (global batch {gbs} / "
+                                  f"(--micro-batch-size {t.micro_batch_size} x DP {p.dp})) is not a multiple of "
+                                  f"--pipeline-model-parallel-size {p.pp}, as the interleaved schedule needs; "
+                                  "choose the batch sizes accordingly")
+
     def _validate_moe_stages(self) -> None:
-        """With PP > 1 every stage holds a layer with experts (GPTModelPipe's default partition)."""
-        p, experts, first = self.parallel, self.model.layer_experts(), 0
+        """With PP > 1 every stage holds a layer with experts (GPTModelPipe's default partition; interleaved: in one
+        of the rank's chunks)."""
+        p, experts = self.parallel, self.model.layer_experts()
         if p.pp == 1 or self.model.num_layers < p.pp:  # too few layers: the partition says so in its own words
             return
         if p.standalone_embedding_stage:
             raise ConfigError(f"mixture of experts (--num-experts) with --standalone-embedding-stage and "
                               f"--pipeline-model-parallel-size {p.pp}: the embedding-only stage 0 would hold no layer "
                               "with experts, which DeepSpeed's engine needs on every stage; drop the flag")
-        for stage, n in enumerate(self.model.stage_layer_counts(p.pp)):
-            if all(e == 1 for e in experts[first:first + n]):
+        chunk = p.num_layers_per_virtual_pipeline_stage if p.pipeline_schedule == "interleaved" else None
+        if chunk is not None and self.model.num_layers % (p.pp * chunk):  # the interleaved split's own check says so
+            return
+        n_virtual = p.pp * p.virtual_stages(self.model.num_layers)
+        per_stage = self.model.stage_layer_counts(n_virtual)
+        for stage in range(p.pp):
+            layers = [i for vs in range(stage, n_virtual, p.pp)
+                      for i in range(sum(per_stage[:vs]), sum(per_stage[:vs + 1]))]
+            if all(experts[i] == 1 for i in layers):
                 raise ConfigError(
                     f"mixture of experts (--num-experts) with --pipeline-model-parallel-size {p.pp}: stage {stage} "
-                    f"(layers {first}-{first + n - 1}) has no layer with experts, and DeepSpeed's engine then runs "
+                    f"(layers {_ranges(layers)}) has no layer with experts, and DeepSpeed's engine then runs "
                     "other collectives there (ZeRO's gradient norm goes per parameter group) and saves it in another "
                     "checkpoint layout; choose --expert-interval / --num-experts so that every stage has an MoE layer")
-            first += n
 
     def _validate_sequence_parallel(self) -> None:
         """Ulysses splits the sequence into SP chunks and each TP rank's heads (query and KV) into SP groups."""
@@ -138,3 +181,14 @@ class RunConfig:
             why = f" x TP {p.tp} (--sequence-parallel)" if p.sequence_parallel else ""
             raise ConfigError(f"{flag}: --seq-length {m.seq_length} is not divisible by SP {p.ulysses}{why}; use a "
                               f"multiple of {chunks}")
+
+
+def _ranges(layers: list[int]) -> str:
+    """'0-3' for a contiguous run; '0-1, 4-5' for an interleaved rank's chunks."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" for a, b in runs)

@@ -172,5 +172,18 @@ def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     return t
 
 
+def isend(t: torch.Tensor, dst: int, group=None):
+    """Post a send of ``t`` to global rank ``dst`` (in ``group``) without waiting; returns its work handle (keep
+    ``t`` alive and unchanged until it completes)."""
+    _notify("send", t, group)
+    return dist.isend(t, dst, group=group)
+
+
+def recv(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Receive into ``t`` from global rank ``src`` (in ``group``), waiting for it."""
+    dist.recv(t, src, group=group)
+    return t
+
+
 def barrier(group=None) -> None:
     dist.barrier(group=group)

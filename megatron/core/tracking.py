@@ -64,10 +64,7 @@ def _tracked_p2p(op: str, fn, progress: Progress, rank: int):
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        peer = kwargs.get(peer_key, args[where] if len(args) > where else None)
-        group = kwargs.get("group")
-        if group is not None and peer is not None:
-            peer = torch.distributed.get_global_rank(group, peer)
+        peer = kwargs.get(peer_key, args[where] if len(args) > where else None)  # a global rank, whatever group
         lo, hi = sorted((rank, -1 if peer is None else int(peer)))
         return _recorded(progress, op, f"p2p:{lo}-{hi}", fn, args, kwargs)
 

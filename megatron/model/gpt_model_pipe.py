@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
@@ -37,7 +37,8 @@ from megatron import ds_seams
 from megatron.config import ModelConfig
 from megatron.core.moe.draws import token_keys
 from megatron.core.parallel_state import GroupInfo, ParallelState
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.pipeline.module import ChunkedPipelineModule
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.recompute import checkpoint_with
 from megatron.core.ulysses import position_ids as sequence_position_ids
 from megatron.core.ulysses import sequence_mean
@@ -229,13 +230,20 @@ def check_topology(topo: PipeModelDataParallelTopology, pstate: ParallelState) -
             raise RuntimeError(f"pipeline topology {axis} groups {theirs} differ from parallel_state {kind} {ours}")
 
 
-class GPTModelPipe(PipelineModule):
+class GPTModelPipe(ChunkedPipelineModule):
     """GPTModel's layers over ``pstate.pp.size`` stages; ``partition_method`` is one of PARTITION_METHODS.
-    Built on every rank of the grid (it creates DeepSpeed's groups); each rank builds only its stage."""
+    Built on every rank of the grid (it creates DeepSpeed's groups); each rank builds only its stage.
+
+    ``virtual_stages`` v > 1 (--num-layers-per-virtual-pipeline-stage): each rank holds v chunks of the layer stack,
+    chunk c of rank r being virtual stage c x PP + r (Megatron's interleaved layout; the split is even, so v x PP
+    divides the layers). ``defer_weight_grads`` (--enable-zbh1-pipeline): the transformer layers' linears (QKV,
+    projection, FC1, FC2, the experts' too) leave their weight gradients to the zero-bubble schedule's W pass; the
+    output layer's and the norms', biases' and router's come in the backward pass as always."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool = False,
                  init_seed: int = 1234, partition_method: str = "type:TransformerLayer",
-                 standalone_embedding_stage: bool = False) -> None:
+                 standalone_embedding_stage: bool = False, virtual_stages: int = 1,
+                 defer_weight_grads: bool = False) -> None:
         self.cfg, self.pstate = cfg, pstate
         tp = pstate.tp
         seq_par = sequence_parallel and tp.size > 1
@@ -256,23 +264,31 @@ class GPTModelPipe(PipelineModule):
                                        ulysses=pstate.ulysses, tied_weight_attr=["word_embeddings.weight"], **common))
         else:
             specs.append(LayerSpec(OutputLayerPipe, cfg, padded, **common))
-        self._megatron_parts = partition(cfg, pstate.pp.size, partition_method, tp.size, pstate.ep.size,
-                                         standalone_embedding_stage)
+        if virtual_stages > 1 and (partition_method != "type:TransformerLayer" or standalone_embedding_stage):
+            raise ConfigError(f"pipeline partition method {partition_method!r} with {virtual_stages} virtual stages "
+                              "per rank: the interleaved layout splits the layers evenly (type:TransformerLayer, "
+                              "no --standalone-embedding-stage)")
+        self._megatron_parts = partition(cfg, pstate.pp.size * virtual_stages, partition_method, tp.size,
+                                         pstate.ep.size, standalone_embedding_stage)
         topo = PipeModelDataParallelTopology(num_pp=pstate.pp.size, num_mp=tp.size, num_dp=pstate.ulysses_dp.size)
         check_topology(topo, pstate)
         loss = LMLoss(pstate, cfg.moe.moe_loss_coeff if cfg.moe.enabled else None)
         super().__init__(specs, topology=topo, loss_fn=loss, partition_method=partition_method,
-                         activation_checkpoint_interval=0)
-        self._sends_moe_tuple = cfg.moe.enabled and self.stage_id < pstate.pp.size - 1
-        layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayerPipe)]
-        for i, layer in enumerate(layers):
-            layer.recompute = i < recompute_layer_count(cfg, len(layers))
-            layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, seq_par), tp
+                         activation_checkpoint_interval=0, virtual_stages=virtual_stages, parts=self._megatron_parts)
+        for funcs in self.chunk_modules():  # Megatron's block rule holds per model chunk
+            layers = [f for f in funcs if isinstance(f, TransformerLayerPipe)]
+            for i, layer in enumerate(layers):
+                layer.recompute = i < recompute_layer_count(cfg, len(layers))
+                layer.checkpoint_options, layer.tp_info = checkpoint_options(cfg, seq_par), tp
+                for linear in layer.modules():
+                    if isinstance(linear, ColumnParallelLinear | RowParallelLinear):
+                        linear.defer_weight_grad = defer_weight_grads
         compile_transformer_layers(self, cfg.torch_compile)
 
     def forward(self, forward_input):
         out = super().forward(forward_input)
-        return stage_output(out) if self._sends_moe_tuple else out
+        # Every chunk but the loss's sends the MoE tuple on.
+        return stage_output(out) if self.cfg.moe.enabled and not self.is_last_virtual_stage() else out
 
     def train(self, mode: bool = True):
         self.loss_fn.training = mode  # evaluation's loss is the lm loss alone, as on the plain path
@@ -293,11 +309,6 @@ class GPTModelPipe(PipelineModule):
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
-    def _partition_layers(self, method: str = "type:TransformerLayer") -> None:
-        # Replaces DeepSpeed's (registered in megatron/ds_seams.py OVERRIDES): its 'parameters' method builds every
-        # layer to count it, and its type-based split breaks ties arbitrarily; ours is analytic and puts the
-        # remainder on the first stages.
-        ds_seams.set_pipeline_partition(self, self._megatron_parts)
 
 
 def stage_contents(cfg: ModelConfig, parts: list[int]) -> list[str]:

@@ -129,6 +129,9 @@ class Layout(ParallelConfig):
             extras.append("hierarchical ZeRO" + (" int8" if self.zero_hierarchy_int8 else ""))
         if self.ep > 1:
             extras.append(f"EP={self.ep}")
+        if self.pipeline_schedule != "1f1b":
+            n = self.num_layers_per_virtual_pipeline_stage
+            extras.append(self.pipeline_schedule + (f" {n} layers/chunk" if n else ""))
         tail = f" ({', '.join(extras)})" if extras else ""
         return (f"TP={self.tp} PP={self.pp} DP={self.dp} MBS={self.micro_batch_size} ZeRO={self.zero_stage}"
                 f"{tail}")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from megatron.config import ModelConfig
 from megatron.perf.layout import Layout
+from megatron.perf.schedules import held
 
 GIB = 2**30
 GCD_MEMORY_BYTES = 64 * GIB
@@ -151,6 +152,20 @@ def residual_bytes(model: ModelConfig, layout: Layout) -> int:
     return 4 if model.fp32_residual_connection else layout.dtype_bytes
 
 
+def deferred_weight_input_bytes_per_layer(model: ModelConfig, layout: Layout) -> float:
+    """Bytes one layer's B pass leaves for its W under zero-bubble H1, for one micro-batch: each deferred linear's
+    input and output gradient (QKV, projection, FC1, FC2; the inputs outside the TP region whole, gathered under
+    sequence parallelism). MoE layers count their MLP as ``topk x capacity factor`` of one."""
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    kv = model.num_key_value_heads * model.head_dim
+    f = model.ffn_hidden_size
+    attention = h + (h + 2 * kv) / t + h / t + h  # x_qkv, g_qkv, x_proj, g_proj
+    mlp = h + (2 * f if model.swiglu else f) / t + f / t + h  # x_fc1, g_fc1, x_fc2, g_fc2
+    if model.moe.enabled:
+        mlp *= model.moe.topk * model.moe.moe_train_capacity_factor
+    return s * b * layout.dtype_bytes * (attention + mlp) / layout.ulysses
+
+
 def zero3_kept_parameters(stage_params: float, reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> float:
     """Gathered parameters ZeRO-3 keeps from forward to backward: a layer's next use comes after every later
     layer's forward and backward (about twice the parameters after it), so the last ``reuse_distance / 2``
@@ -196,9 +211,17 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
     per_layer = activation_bytes_per_layer(model, layout)
     if layout.recompute_granularity == "full":
         checkpoint = s * b * h * residual_bytes(model, layout) / (t if layout.sequence_parallel else 1) / layout.ulysses
-        terms["activations"] = n_layers * checkpoint * in_flight + per_layer
+        kept, extra = n_layers * checkpoint, per_layer
     else:
-        terms["activations"] = n_layers * per_layer * in_flight
+        kept, extra = n_layers * per_layer, 0.0
+    schedule = layout.pipeline_schedule
+    if schedule == "1f1b":
+        terms["activations"] = kept * in_flight + extra
+    else:  # what the schedule's compute order holds at its worst instant (megatron/perf/schedules.py held)
+        v = layout.virtual_stages(model.num_layers)
+        deferred = n_layers * deferred_weight_input_bytes_per_layer(model, layout)
+        terms["activations"] = held(schedule, layout.pp, layout.num_microbatches, stage, kept, deferred,
+                                    v).peak_bytes + extra
     seq_div = (t if layout.sequence_parallel else 1) * layout.ulysses
     if stage == 0 and model.hidden_dropout > 0:
         terms["embedding_activations"] = s * b * h * 1 / seq_div * in_flight  # embedding dropout mask

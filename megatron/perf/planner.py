@@ -34,6 +34,12 @@ class SearchSpace:
     ep: tuple[int, ...] | None = None
     """Expert-parallel sizes to try for a model with experts (default: every divisor of its expert counts); as the
     trainer, such a model gets no pipeline, no ZeRO-3 and no Ulysses."""
+    schedules: tuple[str, ...] = ("1f1b", "zbh1", "interleaved")
+    """Pipeline schedules to try with PP > 1 (megatron/perf/schedules.py): DeepSpeed's 1F1B, zero-bubble H1
+    (--enable-zbh1-pipeline; its exact variant costs the same in our engine) and interleaved 1F1B."""
+    virtual_stages: tuple[int, ...] = (2, 3, 4, 6)
+    """Chunks per rank the interleaved schedule tries (each must split the layers evenly: L % (PP x v) == 0, and
+    the micro-batches per pipeline must be a multiple of PP)."""
 
 
 @dataclass
@@ -111,12 +117,27 @@ def _batch_layouts(model: ModelConfig, tp: int, pp: int, u: int, dp: int, global
                     if seq_par and u > 1 and model.seq_length % (u * tp):
                         continue
                     for ep in _expert_parallel_sizes(model, dp * u, space):
-                        out.append(Layout.of(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                                             global_batch_size=global_batch_size, zero_stage=zero,
-                                             sequence_parallel=seq_par, recompute_granularity=rc,
-                                             flash_attention=space.flash_attention, dtype=space.dtype,
-                                             ds_sequence_parallel_size=u, moe_expert_parallel_size=ep))
+                        for schedule in _schedules(model, pp, global_batch_size // (mbs * dp), space):
+                            out.append(Layout.of(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                                                 global_batch_size=global_batch_size, zero_stage=zero,
+                                                 sequence_parallel=seq_par, recompute_granularity=rc,
+                                                 flash_attention=space.flash_attention, dtype=space.dtype,
+                                                 ds_sequence_parallel_size=u, moe_expert_parallel_size=ep,
+                                                 **schedule))
     return out
+
+
+def _schedules(model: ModelConfig, pp: int, microbatches: int, space: SearchSpace) -> list[dict]:
+    """The Layout fields of each pipeline schedule the space tries at this PP (1F1B alone without a pipeline)."""
+    out: list[dict] = [{}]
+    if pp == 1:
+        return out
+    if "zbh1" in space.schedules:
+        out.append({"enable_zbh1_pipeline": True})
+    if "interleaved" in space.schedules and microbatches % pp == 0:
+        out += [{"num_layers_per_virtual_pipeline_stage": model.num_layers // (pp * v)}
+                for v in space.virtual_stages if model.num_layers % (pp * v) == 0]
+    return out if "1f1b" in space.schedules else out[1:]
 
 
 def _every_stage_has_experts(model: ModelConfig, pp: int) -> bool:

@@ -1,12 +1,15 @@
 """Step time of one layout on Frontier: calibrated compute + pipeline bubble + communication not overlapped.
 
-Model, per optimizer step with m micro-batches and p pipeline stages (1F1B schedule):
+Model, per optimizer step with m micro-batches and p pipeline stages (1F1B, or the layout's zero-bubble or
+interleaved schedule: megatron/perf/schedules.py gives each one's bubble):
 
 * Each stage's time per micro-batch is its forward + backward (+ recompute) FLOPs at
   ``COMPUTE_EFFICIENCY`` x peak, plus its TP collectives and its pipeline sends (both on the critical path:
   Megatron's TP all-reduces block the next matmul; DeepSpeed's pipeline sends are synchronous).
-* The pipeline takes (m + p - 1) times the slowest stage's micro-batch time; the (p - 1) part is the bubble,
-  (p - 1) / (m + p - 1) of the pipeline time.
+* Under 1F1B the pipeline takes (m + p - 1) times the slowest stage's micro-batch time; the (p - 1) part is the
+  bubble, (p - 1) / (m + p - 1) of the pipeline time. The other schedules split that time into forward, input-
+  gradient and weight-gradient parts (a third each without recomputation; the recomputed forward runs in the
+  input-gradient part) and take their bubble from ``pipeline_time``; interleaving sends v times per micro-batch.
 * After the flush, the DP gradient reduction (ZeRO-0/1; DeepSpeed's pipeline engine reduces after the last
   micro-batch), the tied-embedding all-reduce and the optimizer step are exposed. ZeRO-2/3 communicate every
   micro-batch, overlapped with compute: ``ZERO_OVERLAP`` of whichever is shorter is hidden.
@@ -34,6 +37,7 @@ from megatron.perf.comm import CommEstimate, estimate_comm
 from megatron.perf.flops import IterationFlops, forward_flops_per_token, iteration_flops
 from megatron.perf.layout import Layout
 from megatron.perf.memory import local_partition, stage_parameters
+from megatron.perf.schedules import pipeline_time
 from megatron.topology import GCDS_PER_NODE
 
 PEAK_FLOPS = {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12}
@@ -172,7 +176,13 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
 
     flops = iteration_flops(model, layout.global_batch_size, model.padded_vocab_size(layout.tp),
                             layout.recompute_granularity)
-    return StepTime(compute=m * compute, bubble=(p - 1) * t_mb, tp_comm=m * tp, pp_comm=m * pp,
+    schedule, v = layout.pipeline_schedule, layout.virtual_stages(model.num_layers)
+    # Forward, input-gradient and weight-gradient shares of the micro-batch (recomputation runs in the backward).
+    plain = dataclasses.replace(layout, recompute_granularity=None)
+    third = (compute + tp) * stage_flops_per_microbatch(model, plain, bottleneck) / (
+        3 * stage_flops_per_microbatch(model, layout, bottleneck))
+    piped = pipeline_time(schedule, p, m, third, compute + tp - 2 * third, third, v, t_pp=pp)
+    return StepTime(compute=m * compute, bubble=piped.bubble, tp_comm=m * tp, pp_comm=m * pp * v,
                     dp_comm=dp_exposed, optimizer=optimizer, flops=flops, world_size=layout.world_size,
                     peak=peak, bottleneck_stage=bottleneck)
 

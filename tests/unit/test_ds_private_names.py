@@ -53,13 +53,14 @@ def _deepspeed_private() -> set[str]:
     return {n for n in names if not n.endswith("__")}
 
 
-def _ds_bases(tree: ast.Module, bound: dict[str, bool]) -> set[str]:
-    """Names of this file's classes that derive from a DeepSpeed class (directly or through one of these)."""
+def _ds_bases(tree: ast.Module, bound: dict[str, bool], known: frozenset[str] = frozenset()) -> set[str]:
+    """Names of this file's classes that derive from a DeepSpeed class (directly, through one of these, or through
+    ``known``: classes of other scanned files that do, imported here)."""
     derived: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             roots = {_root(b) for b in node.bases}
-            if any(bound.get(r) for r in roots) or roots & derived:
+            if any(bound.get(r) for r in roots) or roots & derived or roots & (known & set(bound)):
                 derived.add(node.name)
     return derived
 
@@ -84,11 +85,11 @@ def _imports(tree: ast.Module) -> dict[str, bool]:
 
 
 class _Parsed:
-    def __init__(self, path: str, source: str) -> None:
+    def __init__(self, path: str, source: str, known: frozenset[str] = frozenset()) -> None:
         self.path = path
         self.tree = ast.parse(source, path)
         self.bound = _imports(self.tree)
-        self.derived = _ds_bases(self.tree, self.bound)
+        self.derived = _ds_bases(self.tree, self.bound, known)
 
     def own_names(self) -> set[str]:
         """``_names`` this file defines itself (outside classes deriving from DeepSpeed's)."""
@@ -176,10 +177,17 @@ def _hits(p: _Parsed, private: set[str], ours: set[str], allowed: dict) -> list[
 
 @pytest.fixture(scope="module")
 def scanned():
-    parsed = []
+    sources = {}
     for f in _files():
         with open(os.path.join(ROOT, f)) as fh:
-            parsed.append(_Parsed(f, fh.read()))
+            sources[f] = fh.read()
+    known: frozenset[str] = frozenset()
+    while True:  # a class deriving from one of ours that derives from DeepSpeed's derives from DeepSpeed's
+        parsed = [_Parsed(f, src, known) for f, src in sources.items()]
+        found = frozenset(name for p in parsed for name in p.derived)
+        if found == known:
+            break
+        known = found
     ours: set[str] = set()
     for p in parsed:
         ours |= p.own_names()

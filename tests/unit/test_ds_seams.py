@@ -72,8 +72,12 @@ def test_override_matches_installed_deepspeed(override):
     ours = getattr(importlib.import_module(module), cls_name)
     assert issubclass(ours, ds_seams.resolve(override.where.rsplit(".", 1)[0])), f"{override.ours} left its base"
     assert name in vars(ours), f"{override.ours} no longer overrides {name}: drop it from ds_seams.OVERRIDES"
-    mine = tuple(inspect.signature(vars(ours)[name]).parameters)
-    assert mine == override.params, f"{override.ours}.{name}{mine}: DeepSpeed calls it as {override.params}"
+    # DeepSpeed's parameters first; ours may add keyword parameters with defaults after them (what our own
+    # instructions pass, e.g. a pipeline chunk), which DeepSpeed's calls leave at their defaults.
+    params = inspect.signature(vars(ours)[name]).parameters
+    mine, extra = tuple(params)[:len(override.params)], list(params.values())[len(override.params):]
+    assert mine == override.params, f"{override.ours}.{name}{tuple(params)}: DeepSpeed calls it as {override.params}"
+    assert all(p.default is not p.empty for p in extra), f"{override.ours}.{name}: its own parameters need defaults"
 
 
 def test_every_seam_function_is_registered():

@@ -44,6 +44,19 @@ def _run(argv, monkeypatch, capsys, world_size=1):
     (_with("--deepspeed_config", "/nonexistent/ds.json"), 1, ["--deepspeed_config /nonexistent/ds.json",
                                                               "not found"]),
     (_with("--train-iters", None)[:-1], 1, ["--train-iters"]),
+    # pipeline schedules (megatron/core/pipeline): what a schedule cannot serve, before any process group
+    (BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     ["--num-layers-per-virtual-pipeline-stage 3", "--num-layers 2", "--pipeline-model-parallel-size 2"]),
+    (BASE + ["--pipeline-model-parallel-size", "4"], 4, ["--pipeline-model-parallel-size 4", "--num-layers 2"]),
+    (BASE + ["--pipeline-model-parallel-size", "2", "--zero-stage", "2", "--enable-zbh1-pipeline"], 2,
+     ["ZeRO-2", "--pipeline-model-parallel-size 2"]),
+    (BASE + ["--enable-zbh1-exact-semantics"], 1, ["--enable-zbh1-exact-semantics", "--enable-zbh1-pipeline"]),
+    (_with("--num-layers", "4") + ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--enable-zbh1-pipeline", "--num-layers-per-virtual-pipeline-stage"]),
+    (_with("--num-layers", "4") + ["--pipeline-model-parallel-size", "2", "--standalone-embedding-stage",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--num-layers-per-virtual-pipeline-stage 1", "--standalone-embedding-stage"]),
 ])
 def test_config_errors_are_one_line(argv, world, needles, monkeypatch, capsys):
     rc, err = _run(argv, monkeypatch, capsys, world)
@@ -78,3 +91,40 @@ def test_cli_prints_no_traceback():
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--fp16" in errors[0]
+
+
+def test_a_change_of_chunks_per_rank_is_told_from_the_metadata():
+    """1F1B <-> ZB-H1 place the layers alike (the optimizer files load as they are); interleaving places them
+    otherwise: the Adam moments are then carried by name (tests/checkpointing/test_schedule_resume.py runs it)."""
+    import dataclasses
+
+    from megatron.checkpointing.resume_checks import chunks_changed
+    from tests.distributed.test_pipeline_schedules import _run_config
+
+    def saved(schedule: str) -> dict:
+        return {"run": {"parallel": dataclasses.asdict(_run_config("pp4", schedule, 4).parallel),
+                        "model": {"num_layers": 8}}}
+
+    assert not chunks_changed(saved("1f1b"), _run_config("pp4", "zbh1", 4))
+    assert chunks_changed(saved("1f1b"), _run_config("pp4", "interleaved", 4))
+    assert chunks_changed(saved("interleaved"), _run_config("pp4", "1f1b", 4))
+    assert not chunks_changed(saved("interleaved"), _run_config("pp4", "interleaved", 4))
+
+
+def test_another_layout_and_another_chunk_count_at_once_are_refused():
+    """relayout/ reads stages of consecutive layers: with interleaved chunks on either side a layout change is one
+    line (change one, save, then the other); the same layout changes its chunks by name (above)."""
+    import dataclasses
+
+    from megatron.checkpointing.resume_checks import check_resume
+    from megatron.errors import ConfigError
+    from tests.distributed.test_pipeline_schedules import _run_config
+
+    def saved(schedule: str, world: int) -> dict:
+        return {"run": dataclasses.asdict(_run_config("pp2-dp2-zero1-bf16", schedule, world))}
+
+    assert check_resume(saved("1f1b", 4), _run_config("pp2-dp2-zero1-bf16", "1f1b", 2), True, "ck") is not None
+    for was, now in (("interleaved", "1f1b"), ("1f1b", "interleaved"), ("interleaved", "interleaved")):
+        with pytest.raises(ConfigError, match=r"--load ck: another layout \(TP 1 x PP 2 x DP 2 .* together with the "
+                                              r"interleaved schedule .* change one at a time"):
+            check_resume(saved(was, 4), _run_config("pp2-dp2-zero1-bf16", now, 2), True, "ck")

@@ -2,8 +2,8 @@
 included) and the Adam moments where its files map them to parameters, under our names; full_state/ merges them.
 
 Moments: ZeRO-1/2 and its bf16 optimizer carry ``param_slice_mappings`` (per parameter, where its slice sits in a DP
-rank's flat partition); ZeRO-0 in fp32 without pipeline keeps torch's AdamW state in the model file. ZeRO-3 and
-pipeline ZeRO-0 files keep no per-parameter map.
+rank's flat partition); ZeRO-0 in fp32 keeps torch's AdamW state in the model file (under pipeline with the names
+format.py records beside it). ZeRO-3 files keep no per-parameter map.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from megatron.errors import CheckpointError
 from megatron.model.param_names import canonical_name
 
 KEYS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_NAMES = "optimizer_param_names"
+"""The model file's key for the full-state names of its ZeRO-0 optimizer's parameters, in the optimizer's order
+(format.py writes it): the map that carries the moments to other layers per rank (another chunking)."""
 Moments = dict[str, dict[str, torch.Tensor]]
 
 
@@ -145,26 +148,36 @@ def zero12_moments(ckpt_dir: str, tp: int, nl: int, ep: int = 1) -> tuple[list[M
     return per_tp, step
 
 
-def zero0_moments(ckpt_dir: str, tp: int, nl: int) -> tuple[list[Moments], int]:
-    """ZeRO-0 fp32: torch AdamW's state in the model file, indexed in megatron/optim/optimizer.py's param_groups order
-    (weights with 2+ dims first, then 1-D ones, each in the module's order)."""
-    per_tp: list[Moments] = []
+def zero0_moments(ckpt_dir: str, tp: int, nl: int, pp: int = 1) -> tuple[list[Moments], int]:
+    """ZeRO-0 fp32: torch AdamW's state in each model file (model-parallel rank = stage x TP + tp), indexed in the
+    optimizer's order: the names saved beside it (``OPTIMIZER_NAMES``, format.py), else, without pipeline,
+    megatron/optim/optimizer.py's param_groups order (weights with 2+ dims first, then 1-D ones, each in the module's
+    order). A tied weight sits on two stages with equal moments: the first stage's is kept."""
+    per_tp: list[Moments] = [{} for _ in range(tp)]
     step = 0
-    for t in range(tp):
-        model = safe_load(model_file(ckpt_dir, t))
-        opt, module = model.get("optimizer"), model["module"]
+    for mp in range(pp * tp):
+        model = safe_load(model_file(ckpt_dir, mp))
+        opt, module = model.get("optimizer"), model.get("module")
         if not opt or "state" not in opt:
             raise CheckpointError("the ZeRO-0 model file holds no torch AdamW state (bf16 keeps DeepSpeed's own)")
         if not opt["state"]:
             return [], 0
-        names = [n for n, v in module.items() if v.dim() > 1] + [n for n, v in module.items() if v.dim() == 1]
-        mine: Moments = {}
-        for i, name in enumerate(names):
+        names = model.get(OPTIMIZER_NAMES)
+        if names is None and module is None:
+            raise CheckpointError(f"{model_file(ckpt_dir, mp)} keeps no names of its optimizer's parameters "
+                                  "(saved before they were recorded)")
+        if names is None:
+            names = [canonical_name(n, nl) for n in
+                     [n for n, v in module.items() if v.dim() > 1] + [n for n, v in module.items() if v.dim() == 1]]
+            shapes = [v.shape for v in module.values() if v.dim() > 1] + [v.shape for v in module.values()
+                                                                        if v.dim() == 1]
+        else:
+            shapes = [None] * len(names)
+        for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
             st = opt["state"][i]
-            if st["exp_avg"].shape != module[name].shape:
+            if shape is not None and st["exp_avg"].shape != shape:
                 raise CheckpointError(f"{ckpt_dir}: ZeRO-0 optimizer state {i} does not match parameter {name}")
             step = int(st["step"])
-            if (c := canonical_name(name, nl)) is not None:
-                mine[c] = {k: st[k] for k in KEYS}
-        per_tp.append(mine)
+            if name is not None:
+                per_tp[mp % tp].setdefault(name, {k: st[k] for k in KEYS})
     return per_tp, step

@@ -5,6 +5,7 @@ Training never writes this format; tools/reshard_checkpoint.py and the HF import
 from __future__ import annotations
 
 from megatron.checkpointing.full_state.files import read_full_moments, read_full_state
+from megatron.checkpointing.full_state.merge import merge_moments
 from megatron.checkpointing.full_state.shard import load_into_model, load_moments
 from megatron.checkpointing.live import verify
 from megatron.checkpointing.live.commit import say
@@ -12,6 +13,7 @@ from megatron.checkpointing.resume_checks import check_experts, check_model_shap
 from megatron.checkpointing.state import Resume, apply_schedule_lr
 from megatron.config import RunConfig
 from megatron.core.parallel_state import ParallelState
+from megatron.errors import CheckpointError
 
 
 class FullStateFormat:
@@ -50,3 +52,15 @@ class FullStateFormat:
         say(f"> loaded full-state weights from {full.path}: iteration {full.iteration}, consumed samples "
             f"{full.consumed_samples} ({optim})")
         return full
+
+
+def carry_moments(engine, run: RunConfig, pstate: ParallelState, ckpt_dir: str, meta: dict) -> None:
+    """Collective. The Adam moments of a checkpoint of ours whose ranks held other layers (another chunking) into
+    ``engine``, by parameter name through the full moments (the padded vocabulary rows kept: they have moments)."""
+    moments, step, why = merge_moments(ckpt_dir, meta, unpad=False)  # the same TP size: the same padding
+    if moments is None:
+        raise CheckpointError(f"--load {ckpt_dir}: its Adam moments cannot follow the layers to this run's chunks "
+                              f"per pipeline rank ({why}). Pass --no-load-optim (the weights carry over, the "
+                              "moments restart)")
+    done = load_moments(engine, moments, step, pstate.tp.size, pstate.tp.rank, run.model.num_layers, ckpt_dir)
+    say(f"> {done} by name from {ckpt_dir} (saved with other layers per pipeline rank)")

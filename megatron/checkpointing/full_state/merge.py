@@ -68,11 +68,12 @@ def _local_zero(name: str) -> str | None:
     return with_expert(name, 0) if expert_index(name) is not None else None
 
 
-def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
-    """(full moments by canonical name, Adam step, why not when None) of one checkpoint directory. Sources:
-    hierarchical ZeRO (its shard files), DeepSpeed ZeRO-1/2 and its bf16 optimizer, DeepSpeed ZeRO-0 in fp32 without
-    pipeline. ZeRO-3 and pipeline ZeRO-0 files keep no per-parameter map: their moments restart, and the tool says
-    so."""
+def merge_moments(ckpt_dir: str, meta: dict, unpad: bool = True) -> tuple[Moments | None, int, str]:
+    """(full moments by canonical name, Adam step, why not when None) of one checkpoint directory; ``unpad=False``
+    keeps the padded vocabulary rows (their moments are not zero: into the same TP size only). Sources:
+    hierarchical ZeRO (its shard files), DeepSpeed ZeRO-1/2 and its bf16 optimizer, DeepSpeed ZeRO-0 in fp32
+    (under pipeline when the names of its optimizer's parameters were saved beside it). ZeRO-3 files keep no
+    per-parameter map: their moments restart, and the tool says so."""
 
     if not meta.get("has_optimizer", True):
         return None, 0, "the checkpoint was saved with --no-save-optim"
@@ -84,8 +85,8 @@ def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
             per_tp = [{canonical_name(k, nl): v for k, v in m.items()} for m in per_tp]
         elif has_zero_optimizer_files(ckpt_dir) and p["zero_stage"] < 3:
             per_tp, step = zero12_moments(ckpt_dir, tp, nl, p.get("moe_expert_parallel_size", 1))
-        elif p["zero_stage"] == 0 and p["pipeline_model_parallel_size"] == 1:
-            per_tp, step = zero0_moments(ckpt_dir, tp, nl)
+        elif p["zero_stage"] == 0:
+            per_tp, step = zero0_moments(ckpt_dir, tp, nl, p["pipeline_model_parallel_size"])
         else:
             return None, 0, f"ZeRO-{p['zero_stage']} files keep no per-parameter map of the Adam moments"
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
@@ -100,5 +101,5 @@ def merge_moments(ckpt_dir: str, meta: dict) -> tuple[Moments | None, int, str]:
         for k in KEYS:
             shards = [m[name][k] for m in per_tp]
             full = merge_tp(shards, *entry) if entry else shards[0]
-            out[name][k] = (full[:vocab] if name in VOCAB_PARAMS else full).contiguous()
+            out[name][k] = (full[:vocab] if unpad and name in VOCAB_PARAMS else full).contiguous()
     return out, step, ""

@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron.core.parallel_state import GroupInfo
 from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.weight_grad_store import linear
 
 
 def _stable_seed(seed: int, key: str, salt: int = 0) -> int:
@@ -121,7 +122,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A split along its output dim: each rank computes Y[..., shard]."""
+    """Y = X A^T + b with A split along its output dim: each rank computes Y[..., shard].
+
+    ``defer_weight_grad`` (set by the pipeline model under zero-bubble H1): A's gradient can wait for the weight
+    pass (megatron/core/tensor_parallel/weight_grad_store.py); a weight passed to ``forward`` never waits."""
+
+    defer_weight_grad = False
 
     def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, seed: int = 0, init_key: str = "",
@@ -150,7 +156,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, w, bias)
+        y = linear(x, w, bias, self.defer_weight_grad and weight is None)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp)
         return y, (self.bias if self.skip_bias_add else None)
@@ -158,7 +164,9 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its input dim: partial products are summed over TP (or
-    reduce-scattered along the sequence with sequence parallelism)."""
+    reduce-scattered along the sequence with sequence parallelism). ``defer_weight_grad``: as ColumnParallelLinear's."""
+
+    defer_weight_grad = False
 
     def __init__(self, input_size: int, output_size: int, *, tp: GroupInfo, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0, init_key: str = "",
@@ -183,7 +191,7 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> ([s(/tp), b, out], bias)."""
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.defer_weight_grad)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp)
         else:
