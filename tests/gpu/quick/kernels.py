@@ -1,8 +1,9 @@
 """quick.sh step ``kernels``: the kernels against float64, forward and backward, through the test suites' own cases.
 
 GPU: tests/gpu/test_triton_kernels.py at bf16 (attention at seq 2048, head dim 64 and 128, causal or not; every
-norm shape; the kernel seam), then tests/gpu/test_hip_kernels.py (the csrc kernels built by step ``build``: on
-NVIDIA through csrc/common/wave64.h). CPU twin: tests/unit/kernels' Triton tests under TRITON_INTERPRET=1 and the
+norm shape; the kernel seam), zero-bubble H1's deferred weight gradient against F.linear bit for bit
+(tests/gpu/test_weight_grad_store_gpu.py: what exact ZB-H1's bit-identity needs), then tests/gpu/test_hip_kernels.py
+(the csrc kernels built by step ``build``: on NVIDIA through csrc/common/wave64.h). CPU twin: tests/unit/kernels' Triton tests under TRITON_INTERPRET=1 and the
 csrc kernels on the CPU emulator in the nvcc (two-warp) mode. Each case's worst error over its tolerance comes from
 the tests' JUnit properties (``err_over_tol``).
 """
@@ -16,13 +17,15 @@ from tests.gpu.quick.common import Case, StepArgs, count, env_with, pytest_cases
 GPU_PARTS = {
     "triton": ["tests/gpu/test_triton_kernels.py", "-k", "(test_attention_matches_float64 and 2048 and bfloat16) or "
                "(test_norms_match_float64 and bfloat16) or test_seam"],
+    "deferred": ["tests/gpu/test_weight_grad_store_gpu.py"],
     "csrc": ["tests/gpu/test_hip_kernels.py"],
 }
 CPU_PARTS = {
     "triton": ["tests/unit/kernels/test_triton_attention.py", "tests/unit/kernels/test_triton_norms.py"],
+    "deferred": ["tests/unit/test_weight_grad_store.py", "-k", "bit_for_bit"],
     "csrc": ["tests/unit/kernels/test_hip_emulated.py", "-k", "two_warps"],
 }
-SHARE = {"triton": 0.5, "csrc": 1.0}
+SHARE = {"triton": 0.5, "deferred": 0.2, "csrc": 1.0}
 """Fraction of the time left that each part may take (the last takes the rest)."""
 
 

@@ -35,7 +35,8 @@ STEPS = (
     Step("train", "train", "pretrain_gpt.py, GPT ~125M (gpt2-small), bf16, ZeRO-1, 30 iterations: loss falls, "
          "tokens/s, MFU, memory; save at 15 and resume to 30 against the straight run", 150, min_s=60),
     Step("kernels", "kernels", "Triton attention (bf16, d 64/128, seq 2048) and norms, and the csrc kernels, "
-         "forward and backward against float64 (tests/gpu)", 110, min_s=30),
+         "forward and backward against float64; ZB-H1's deferred weight gradient against F.linear (tests/gpu)", 110,
+         min_s=30),
     Step("speed", "speed", "GPT-2 1.3B, seq 2048, bf16, ZeRO-1, mbs 4, gbs 8: ours auto, ours torch kernels, "
          "HF + torch.compile (bench/gpu_throughput.py)", 200, min_s=90),
     Step("variants", "extra", "tests/gpu/test_pretrain_gpu.py: bf16 ZeRO-3, fp16, full recompute, Llama, each "
