@@ -3,8 +3,9 @@
 GPU: tests/gpu/test_triton_kernels.py at bf16 (attention at seq 2048, head dim 64 and 128, causal or not; every
 norm shape; the kernel seam), zero-bubble H1's deferred weight gradient against F.linear bit for bit
 (tests/gpu/test_weight_grad_store_gpu.py: what exact ZB-H1's bit-identity needs), then tests/gpu/test_hip_kernels.py
-(the csrc kernels built by step ``build``: on NVIDIA through csrc/common/wave64.h). CPU twin: tests/unit/kernels' Triton tests under TRITON_INTERPRET=1 and the
-csrc kernels on the CPU emulator in the nvcc (two-warp) mode. Each case's worst error over its tolerance comes from
+(the csrc kernels built by step ``build``: on NVIDIA through csrc/common/wave64.h). CPU twin: tests/unit/kernels'
+Triton tests under TRITON_INTERPRET=1, the store's unit cases, and the csrc kernels on the CPU emulator in the nvcc
+(two-warp) mode. Each case's worst error over its tolerance comes from
 the tests' JUnit properties (``err_over_tol``).
 """
 
