@@ -21,13 +21,13 @@ TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-si
 MOE = replaced(MOE_ARGS, {"--train-iters": "10"})  # ZeRO-2, EP 2 on 2 ranks
 
 SOURCES = {  # name -> (ranks, flags) of the straight run that writes global_step5
-    "dp2-z1": (2, BASE + Z1), "dp1-z1": (1, BASE + Z1), "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE),
+    "dp2-z1": (2, BASE + Z1), "dp1-z1": (1, BASE + Z1), "dp2-z2": (2, BASE + Z2), "dp1-z2": (1, BASE + Z2),
+    "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE),
 }
-# case -> (source, ranks, flags of the resumed run). The DP moves to ZeRO-2 read ZeRO-1 sources (DeepSpeed writes the
-# same files at either stage; the ZeRO-2 target is what differs): no straight run of their own.
+# case -> (source, ranks, flags of the resumed run).
 CASES = {
     "dp2to1-z1": ("dp2-z1", 1, BASE + Z1), "dp1to2-z1": ("dp1-z1", 2, BASE + Z1),
-    "dp2to1-z1toz2": ("dp2-z1", 1, BASE + Z2), "dp1to2-z1toz2": ("dp1-z1", 2, BASE + Z2),
+    "dp2to1-z2": ("dp2-z2", 1, BASE + Z2), "dp1to2-z2": ("dp1-z2", 2, BASE + Z2),
     "tp2to1": ("tp2-pp2", 2, BASE + LLAMA + Z1 + PP2), "pp2to1": ("tp2-pp2", 2, BASE + LLAMA + Z1 + TP2),
     "pp1to2": ("dp1-z1", 2, BASE + Z1 + PP2),
     "ep2to1": ("ep2", 2, replaced(MOE, {"--moe-expert-parallel-size": "1"})),
@@ -39,7 +39,7 @@ LAYOUT = {  # the log's name of each layout
     "tp2-pp2": "TP 2 x PP 2 x DP 1 x EP 1, ZeRO-1 (4 ranks)", "ep2": "TP 1 x PP 1 x DP 2 x EP 2, ZeRO-2 (2 ranks)",
     "tp1-pp2": "TP 1 x PP 2 x DP 1 x EP 1, ZeRO-1 (2 ranks)", "tp2-pp1": "TP 2 x PP 1 x DP 1 x EP 1, ZeRO-1 (2 ranks)",
     "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)"}
-NOW = {"dp2to1-z1": "dp1-z1", "dp1to2-z1": "dp2-z1", "dp2to1-z1toz2": "dp1-z2", "dp1to2-z1toz2": "dp2-z2",
+NOW = {"dp2to1-z1": "dp1-z1", "dp1to2-z1": "dp2-z1", "dp2to1-z2": "dp1-z2", "dp1to2-z2": "dp2-z2",
        "tp2to1": "tp1-pp2", "pp2to1": "tp2-pp1", "pp1to2": "tp1-pp2", "ep2to1": "ep1", "z1toz2": "dp2-z2"}
 
 
