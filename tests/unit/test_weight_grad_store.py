@@ -1,7 +1,8 @@
 """The weight-gradient store of zero-bubble H1 (megatron/core/tensor_parallel/weight_grad_store.py): a linear whose
-weight gradient is deferred and applied later gives bit for bit the gradients of ``F.linear`` (input, bias, weight;
-fp32 and bf16, [s, b, h] and 2-D inputs, contiguous or transposed, inside activation checkpoints too), accumulates
-in the order W runs, fires the weight's hooks, and keeps its items FIFO under the schedule's keys."""
+weight gradient is deferred and applied later gives bit for bit the output and gradients of ``F.linear`` (input,
+bias, weight; fp32 and bf16, [s, b, h] and 2-D inputs, contiguous or transposed, micro-batch 1 too, inside activation
+checkpoints too), accumulates in the order W runs, fires the weight's hooks, and keeps its items FIFO under the
+schedule's keys."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megatron.core.tensor_parallel.weight_grad_store import WeightGradStore, lin
 
 CASES = [  # (input shape, out features, transposed input)
     ((16, 2, 32), 48, False), ((16, 2, 32), 48, True), ((40, 24), 8, False), ((128, 4, 256), 384, False),
-    ((64, 3, 96), 160, True),
+    ((64, 3, 96), 160, True), ((16, 1, 64), 192, True),
 ]
 
 
@@ -57,10 +58,13 @@ def _equal(a, b):
 def test_deferred_weight_gradient_is_f_linear_bit_for_bit(shape, out, transposed, bias, dtype):
     x, w, b, grad = _inputs(shape, out, transposed, bias, dtype)
     ref = _leaves(x, w, b)
-    F.linear(*ref).backward(grad)
+    y_ref = F.linear(*ref)
+    y_ref.backward(grad)
 
     now = _leaves(x, w, b)  # through the wrapper, not deferring (a combined backward)
-    linear(*now, defer=True).backward(grad)
+    y_now = linear(*now, defer=True)
+    assert torch.equal(y_now, y_ref)  # the forward too: a transposed input is folded as with a trainable weight
+    y_now.backward(grad)
     _equal(_grads(*now), _grads(*ref))
 
     later = _leaves(x, w, b)
