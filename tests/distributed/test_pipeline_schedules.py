@@ -8,10 +8,6 @@ compared too; PP=2 x TP=2 with sequence parallelism (Llama: SwiGLU, RMSNorm, GQA
 (lm and MoE losses); bf16 under ZeRO-1 (DeepSpeed's ZeRO optimizer), within BF16_TOL. The engines' own memory
 counter: the largest stage's activations plus deferred weight-gradient inputs under ZB-H1 against 1F1B's (ZB_OVER_1F1B);
 interleaved's extra over 1F1B as the planner predicts (within 10%).
-
-Known gap (docs/verification.md): on the Llama (TP=2, SP) and MoE layouts the exact variant matches 1F1B to about 1e-7
-relative, not bit for bit (the dense GPT-2 layouts are bit for bit; cause not found yet); EXACT_WITHIN states the
-bound the test holds it to there.
 """
 
 from __future__ import annotations
@@ -31,8 +27,6 @@ BF16_TOL = {"loss": 1e-2, "norm": 3e-2}
 accumulate changes their rounding (at most ~1e-3 relative seen on these runs; the bound leaves room)."""
 ZB_OVER_1F1B = 1.03
 """ZB-H1's largest stage over 1F1B's, counted by the engine (the known gap in _check_memory)."""
-EXACT_WITHIN = {"pp2-tp2-sp": 1e-6, "pp2-ep2-moe": 1e-6}
-"""Layouts where the exact variant is held to a relative bound instead of equality (the known gap above)."""
 FLAGS = {"1f1b": {}, "zbh1": {"enable_zbh1_pipeline": True},
          "zbh1-exact": {"enable_zbh1_pipeline": True, "enable_zbh1_exact_semantics": True},
          "interleaved": {}}  # interleaved: --num-layers-per-virtual-pipeline-stage, per layout
@@ -128,10 +122,8 @@ def _check_numerics(ranks: list[dict]) -> None:
         for what in ("loss", "norm", "moe"):
             for step, (a, b) in enumerate(zip(got[what], ref[what], strict=True)):
                 where = f"{layout} {schedule} step {step} {what}: {a!r} vs 1F1B {b!r}"
-                if schedule == "zbh1-exact" and layout not in EXACT_WITHIN:
+                if schedule == "zbh1-exact":
                     assert a == b, where
-                elif schedule == "zbh1-exact":
-                    assert _rel(a, b) <= EXACT_WITHIN[layout], where
                 else:
                     assert _rel(a, b) <= (BF16_TOL["norm" if what == "norm" else "loss"] if bf16 else FP32_TOL), where
     merged: dict = {}  # every rank's parameters of a run (interleaving moves layers between ranks), by global name
