@@ -151,10 +151,19 @@ def _check_memory(ranks: list[dict], layout: str) -> None:
 
     _, _, layers, _, pp, *_ = LAYOUTS[layout]
     peak = {s: max(rank[(layout, s)]["held"] for rank in ranks) for s in SCHEDULES}
-    # Known gap (docs/verification.md, design risk R1): on this tiny GPT a deferred weight gradient's inputs are about
-    # a layer's activations, so ZB-H1's last stage holds 2.4% more than 1F1B's worst stage (measured 542164 vs
-    # 529408 bytes); the acceptance asks for no more. ZB_OVER_1F1B bounds it.
-    assert max(peak["zbh1"], peak["zbh1-exact"]) <= ZB_OVER_1F1B * peak["1f1b"], peak
+    # Known gap (docs/verification.md): ZB-H1's peak is its last stage right after a forward, holding that
+    # micro-batch's activations and p - 1 micro-batches' weight-gradient inputs (the linears' inputs and output
+    # gradients); 1F1B's is stage 0 holding p micro-batches' activations. The last stage's micro-batch carries the head
+    # (final norm, logits, loss: 16852 bytes, +13% of a middle stage's activations on this tiny GPT), and a W input is
+    # 99% of an activation here, so ZB-H1 holds 2.4% more (measured 542164 vs 529408 bytes). A W run before that
+    # forward instead would lengthen every step (the last stage is busy from its first forward on: one more F time at
+    # F=B=W in the simulator, whatever p and m). ZB_OVER_1F1B bounds it, and so does
+    # the cause: at most 1F1B's peak plus the head's extra for one micro-batch (1F1B's last stage holds one micro-batch,
+    # its stage 0 p of them), which holds while a W input is no larger than a stage's activations.
+    zb = max(peak["zbh1"], peak["zbh1-exact"])
+    assert zb <= ZB_OVER_1F1B * peak["1f1b"], peak
+    one_last, one_first = ranks[-1][(layout, "1f1b")]["held"], ranks[0][(layout, "1f1b")]["held"] / pp
+    assert zb <= peak["1f1b"] + (one_last - one_first), (peak, one_last, one_first)
     m = LAYOUTS[layout][9]
     first = [rank[(layout, "interleaved")]["held"] / rank[(layout, "1f1b")]["held"] for rank in ranks[:1]]
     predicted = held("interleaved", pp, m, 0, 1.0, v=2).peak_bytes / held("1f1b", pp, m, 0, 1.0).peak_bytes
