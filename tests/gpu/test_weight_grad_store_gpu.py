@@ -1,7 +1,7 @@
 """Zero-bubble H1's deferred weight gradient on the device's GEMMs: exact ZB-H1 (--enable-zbh1-exact-semantics) is
-bit-identical to 1F1B only if the deferring linear gives ``F.linear``'s gradients bit for bit there too (input and
-bias in B, weight in W; fp32, bf16, fp16; [s, b, h] and 2-D inputs, contiguous or transposed). The CPU twin is
-tests/unit/test_weight_grad_store.py (these cases)."""
+bit-identical to 1F1B only if the deferring linear gives ``F.linear``'s output and gradients bit for bit there too
+(input and bias in B, weight in W; fp32, bf16, fp16; with and without a bias; [s, b, h] and 2-D inputs, contiguous or
+transposed). The CPU twin is tests/unit/test_weight_grad_store.py (these cases)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,17 @@ def _same(got, ref, what: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,out,transposed", CASES)
-def test_deferred_weight_gradient_is_f_linear_bit_for_bit_on_the_device(shape, out, transposed, dtype):
+def test_deferred_weight_gradient_is_f_linear_bit_for_bit_on_the_device(shape, out, transposed, bias, dtype):
     STORE.clear()
-    x, w, b, grad = _on_device(*_inputs(shape, out, transposed, True, dtype))
+    x, w, b, grad = _on_device(*_inputs(shape, out, transposed, bias, dtype))
     ref = _leaves(x, w, b)
-    F.linear(*ref).backward(grad)
+    y_ref = F.linear(*ref)
+    y_ref.backward(grad)
     later = _leaves(x, w, b)
     y = linear(*later, defer=True)
+    assert torch.equal(y, y_ref), f"{tuple(shape)} -> {out}, {dtype}: the output differs from F.linear's"
     with STORE.defer(key=(0, 0)):
         y.backward(grad)
     assert later[1].grad is None and STORE.pending() == 1
