@@ -147,6 +147,9 @@ TOUCHES: tuple[Touch, ...] = (
     Touch("wrap_comm_backend", "cdb", "deepspeed.comm.comm.new_group", ("ranks",), text=("cdb.new_group(ranks)",)),
     Touch("wrap_comm_backend", "cdb", f"{_BACKEND}.new_group", ("self", "ranks")),
     *(Touch("wrap_comm_backend", "cdb", f"{_BACKEND}.{op}", spec.params) for op, spec in BACKEND_OPS.items()),
+    Touch("skip_shm_comm_op", "__compatible_ops__", "deepspeed.ops.__compatible_ops__", kind=dict),
+    Touch("skip_shm_comm_op", "__compatible_ops__", "deepspeed.comm.torch.build_shm_op", (),
+          text=("deepspeed.ops.__compatible_ops__.get(builder.NAME, False)",)),
     Touch("removed_config_keys", "_REMOVED_TOP_LEVEL_CONFIG_KEYS", f"{_CONFIG}._REMOVED_TOP_LEVEL_CONFIG_KEYS"),
     Touch("removed_config_keys", "_REMOVED_ZERO_CONFIG_KEYS", f"{_CONFIG}._REMOVED_ZERO_CONFIG_KEYS"),
     Touch("watching_config_models", "DeepSpeedConfigModel", "deepspeed.runtime.config_utils.DeepSpeedConfigModel."
@@ -448,6 +451,23 @@ def wrap_comm_backend(backend, new_group: Callable, wrap: Callable[[str, Callabl
             if hasattr(backend, op):
                 setattr(backend, op, wrap(op, getattr(backend, op)))
     setattr(backend, _MARK, True)
+
+
+def skip_shm_comm_op() -> None:
+    """DeepSpeed's comm backend will not build nor load its CPU shared-memory all-reduce op.
+
+    DeepSpeed 0.19.8, deepspeed/comm/torch.py ``build_shm_op`` (called by ``TorchBackend.__init__``): on the CPU
+    accelerator it JIT-compiles that op (about 45 s of one core on a first start, under a lock every other starting
+    rank waits on) and loads it in every rank, unless ``deepspeed.ops.__compatible_ops__`` marks its builder
+    incompatible. Why: it serves only ``inference_all_reduce``, which training never calls (every collective here goes
+    through torch.distributed); other accelerators have no such builder, so this changes nothing there."""
+    _require("skip_shm_comm_op")
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def removed_config_keys() -> tuple[set[str], set[str]]:

@@ -12,7 +12,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megatron import rendezvous, topology
+from megatron import ds_seams, rendezvous, topology
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import set_seeds
@@ -75,6 +75,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         # initialised torch.distributed instead of creating a second group).
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                              **_device_id_kwargs(acc, local_rank, world_size))
+        ds_seams.skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, distributed_port=int(port),
                                    timeout=timeout, rank=rank, world_size=world_size)
     except (RuntimeError, ValueError) as e:
