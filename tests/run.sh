@@ -23,32 +23,50 @@ if ! lint_out="$(lint-imports --no-cache 2>&1)"; then
 fi
 echo "lint-imports: $(printf '%s\n' "$lint_out" | grep -E '^Contracts: ')"
 
-if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
-  bash csrc/check_hip_compile.sh
-fi
 
 # tests/skips.py records every skip; after pytest, a skip outside tests/gpu whose reason is not on
 # tests/skip_allowlist.txt fails the run, and the skips are printed grouped by reason.
 report="$(mktemp "${TMPDIR:-/tmp}/skips.XXXXXX.json")"
 campaign_report="$(mktemp "${TMPDIR:-/tmp}/skips-campaign.XXXXXX.json")"
 campaign_log="$(mktemp "${TMPDIR:-/tmp}/campaign.XXXXXX.log")"
-trap 'rm -f "$report" "$campaign_report" "$campaign_log"' EXIT
+hip_log="$(mktemp "${TMPDIR:-/tmp}/hip.XXXXXX.log")"
+trap 'rm -f "$report" "$campaign_report" "$campaign_log" "$hip_log"' EXIT
+# The HIP builds (~30 s of compiles) run beside pytest: the multi-process tests leave cores idle while ranks wait.
+hip_pid=""
+hip_rc=0
+if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
+  bash csrc/check_hip_compile.sh >"$hip_log" 2>&1 &
+  hip_pid=$!
+fi
+hip_done() {  # wait for the HIP builds once; print their output
+  if [ -n "$hip_pid" ]; then
+    wait "$hip_pid"
+    hip_rc=$?
+    hip_pid=""
+    echo "---- HIP builds (ran beside the above) ----"
+    cat "$hip_log"
+  fi
+}
 pytest_=("$PYTHON" -m pytest -q -p no:cacheprovider -p tests.skips --durations=40)
 set +e
 if [ "$#" -eq 0 ]; then
   # The whole suite. tests/campaign (stand-in Slurm campaigns: jobs whose steps and saves are slowed by sleeps, job
-  # windows of a minute) mostly waits, so it runs in one process beside the rest, its output printed after. The
-  # rest: two pytest-xdist workers, a module per worker (module fixtures start once; most tests are multi-process
-  # runs that leave a core idle while they rendezvous, save or wait for a watchdog). Then the tests marked `serial`
-  # (they compare ranks' wall times) alone.
-  "${pytest_[@]}" --skip-report="$campaign_report" -m "not serial" tests/campaign >"$campaign_log" 2>&1 &
+  # windows of a minute) mostly waits, so it runs beside the rest on two workers of its own, its output printed
+  # after. The rest: three pytest-xdist workers on the two cores, a module per worker (module fixtures start once;
+  # most tests are multi-process runs that leave a core idle while they rendezvous, save or wait for a watchdog:
+  # two workers kept the cores about half busy). Then the tests marked `serial` (they compare ranks' wall times)
+  # alone.
+  "${pytest_[@]}" --skip-report="$campaign_report" -n 2 --dist loadscope -m "not serial" tests/campaign \
+    >"$campaign_log" 2>&1 &
   campaign_pid=$!
-  "${pytest_[@]}" --skip-report="$report" -n 2 --dist loadscope -m "not serial" --ignore=tests/campaign
+  "${pytest_[@]}" --skip-report="$report" -n "${MF_TEST_WORKERS:-3}" --dist loadscope -m "not serial" \
+    --ignore=tests/campaign
   rc_parallel=$?
   wait "$campaign_pid"
   rc_campaign=$?
   echo "---- tests/campaign (ran beside the above) ----"
   cat "$campaign_log"
+  hip_done
   "${pytest_[@]}" --skip-report="$report" -m serial
   rc_serial=$?
   # The first real failure wins; "no tests collected" (5) only when neither phase ran anything.
@@ -62,6 +80,7 @@ else
   "${pytest_[@]}" --skip-report="$report" "$@"
   rc=$?
 fi
+hip_done
 set -e
 skips_rc=0
 if [ -s "$report" ]; then
@@ -77,5 +96,9 @@ if [ "$rc" -eq 5 ]; then
 fi
 if [ "$rc" -ne 0 ]; then
   exit "$rc"
+fi
+if [ "$hip_rc" -ne 0 ]; then
+  echo "error: a HIP build failed (above): csrc/check_hip_compile.sh" >&2
+  exit "$hip_rc"
 fi
 exit "$skips_rc"
