@@ -115,18 +115,17 @@ class DeepSpeedSource:
         if self.zero < 3:
             return tuple(self.shard(name, j).shape)
         self._slice_index(j)
-        if name not in self._shapes:
-            raise CheckpointError(f"{self.dir} has no tensor {name} (TP rank {j}): saved from a different model "
-                                  "variant")
-        return self._shapes[name]
+        return self._found(self._shapes.get(name), name, j)
 
     def shard(self, name: str, j: int) -> torch.Tensor:
         """The weight ``name`` of source TP rank ``j`` (mapped)."""
-        w = self._weight_index(j).get(name)
-        if w is None:
+        return self._found(self._weight_index(j).get(name), name, j)
+
+    def _found(self, found, name: str, j: int):
+        if found is None:
             raise CheckpointError(f"{self.dir} has no tensor {name} (TP rank {j}): saved from a different model "
                                   "variant")
-        return w
+        return found
 
     def pieces(self, name: str, kind: str, j: int) -> list[Piece]:
         """The pieces of ``name``'s ``kind`` (weight, master, exp_avg, exp_avg_sq) in source TP rank ``j``'s shard."""
