@@ -70,6 +70,8 @@ _TORCH_CKPT = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine.Torch
 _FRAGMENT = "deepspeed.utils.tensor_fragment"
 _BACKEND = "deepspeed.comm.torch.TorchBackend"
 _CONFIG = "deepspeed.runtime.config"
+_PARTITION = "deepspeed.runtime.zero.partition_parameters.Init"
+_STAGE3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
 _TOOL_SEAMS = ("removed_config_keys", "watching_config_models")  # used by tools/ only, not checked at run time
 _MARK = "_megatron_wrapped"  # set on DeepSpeed's comm backend once wrapped: a second install changes nothing
 
@@ -143,6 +145,18 @@ TOUCHES: tuple[Touch, ...] = (
           text=("lp_fragment_address: fragment_address", "hp_fragment_address: fragment_address",
                 "param_group_index: int")),
     Touch("hp_mapping", "_hp_mapping", f"{_FRAGMENT}.fragment_address", text=("numel: int", "start: int")),
+    Touch("zero3_part", "ds_tensor", f"{_PARTITION}._partition_numel", ("self", "param"),
+          text=("return param.ds_tensor.ds_numel",)),
+    Touch("zero3_part", "ds_shape", f"{_PARTITION}._convert_to_deepspeed_param", ("self", "param"),
+          text=("param.ds_shape = param.shape", "param.ds_process_group = ")),
+    Touch("zero3_part", "ds_process_group", f"{_STAGE3}._get_param_partition_group", ("self", "param"),
+          text=('getattr(param, "ds_process_group", self.dp_process_group)',)),
+    Touch("zero3_part", "ds_process_group", f"{_STAGE3}.set_full_hp_param",
+          text=("my_rank = self._get_param_partition_rank(param)", "fp32_opt_state_partition.numel() * my_rank")),
+    Touch("zero3_fp32_partitions", "fp32_partitioned_groups_flat", f"{_STAGE3}.initialize_optimizer_states",
+          ("self",), text=("self.fp32_partitioned_groups_flat[i]",)),
+    Touch("zero3_fp32_partitions", "fp32_partitioned_groups_flat", f"{_STAGE3}._get_fp32_opt_state_partition",
+          text=("self.optimizer.state[fp32_param][optim_state_key]",)),
     Touch("wrap_comm_backend", "cdb", "deepspeed.comm.comm.cdb"),
     Touch("wrap_comm_backend", "cdb", "deepspeed.comm.comm.new_group", ("ranks",), text=("cdb.new_group(ranks)",)),
     Touch("wrap_comm_backend", "cdb", f"{_BACKEND}.new_group", ("self", "ranks")),
@@ -422,6 +436,41 @@ def hp_mapping(param):
     (megatron/checkpointing/full_state/shard.py)."""
     _require("hp_mapping")
     return getattr(param, "_hp_mapping", None)
+
+
+@dataclass(frozen=True)
+class Zero3Part:
+    """This rank's partition of one ZeRO-3 parameter: ``shape`` is the whole (TP-local) parameter's, ``start`` the
+    first of its flattened elements this rank holds, ``size`` the partition's length (the last rank's ends in
+    padding)."""
+
+    shape: torch.Size
+    start: int
+    size: int
+
+
+def zero3_part(param) -> Zero3Part | None:
+    """Where ZeRO-3 put ``param`` (None for a parameter it does not partition).
+
+    DeepSpeed 0.19.8, deepspeed/runtime/zero/partition_parameters.py ``Init._partition_param`` (and stage3.py's
+    ``set_full_hp_param``): partition ``r`` of ``ds_process_group`` holds ``[r * ds_tensor.ds_numel, (r + 1) *
+    ds_tensor.ds_numel)`` of the flattened ``ds_shape``. Why: fp32 master weights and Adam moments loaded at another
+    layout (relayout/fill.py) go through the public safe_set_local_*, which take exactly that partition."""
+    if not hasattr(param, "ds_id"):
+        return None
+    _require("zero3_part")
+    size = int(param.ds_tensor.ds_numel)
+    return Zero3Part(param.ds_shape, torch.distributed.get_rank(group=param.ds_process_group) * size, size)
+
+
+def zero3_fp32_partitions(optimizer) -> list[torch.Tensor]:
+    """ZeRO-3's flat fp32 partitions, the tensors its base optimizer keeps state for (its param_groups are emptied
+    between steps).
+
+    DeepSpeed 0.19.8, deepspeed/runtime/zero/stage3.py ``fp32_partitioned_groups_flat``. Why: torch AdamW creates
+    its state at the first step; safe_set_local_optimizer_state writes into that state, so it must exist first."""
+    _require("zero3_fp32_partitions")
+    return list(optimizer.fp32_partitioned_groups_flat)
 
 
 def unwrapped_comm_backend():

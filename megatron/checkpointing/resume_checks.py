@@ -1,7 +1,7 @@
 """Whether a checkpoint may be resumed under this run's flags, decided from its metadata alone (the preflight and
 every loader ask the same functions): model shape, experts, engine kind and hierarchical ZeRO tiers, precision when
 the optimizer is loaded, and whether another TP x PP x DP x EP x ZeRO layout is resumed in place (``LayoutChange``)
-or refused (ZeRO-3, hierarchical ZeRO; a data order that depends on DP)."""
+or refused (hierarchical ZeRO; a data order that depends on DP)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
     """Refuse a checkpoint whose model shape differs from this run's, or whose layout this run cannot read; allow
     the rest (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata.
     Returns the layout change when the checkpoint is resumed at another TP x PP x DP x EP x ZeRO layout in place
-    (DeepSpeed's layout, ZeRO 0-2, on both sides), None when the layouts are the same."""
+    (DeepSpeed's layout, ZeRO 0-3, on both sides), None when the layouts are the same."""
     check_model_shape(saved["run"]["model"], run, where)
     check_experts(saved["run"]["model"].get("moe") or {}, run, where)
     # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
@@ -106,7 +106,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
     if before == now:
         return None
     if not relayout_possible(saved, run):
-        _refuse_zero3_change(before, now, load_optim, where)
+        _refuse_hzero_change(before, now, where)
         return None
     v_saved, v_now = saved_virtual_stages(saved, run), run.parallel.virtual_stages(run.model.num_layers)
     if max(v_saved, v_now) > 1:  # relayout/ reads stages of consecutive layers, not interleaved chunks
@@ -119,23 +119,17 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
 
 
 def relayout_possible(saved: dict, run: RunConfig) -> bool:
-    """Whether both sides are DeepSpeed's layout at ZeRO 0-2, which relayout/ reads and fills."""
-    return (saved.get("format") != HZERO_FORMAT and not run.parallel.zero_hierarchy
-            and saved["run"]["parallel"]["zero_stage"] < 3 and run.parallel.zero_stage < 3)
+    """Whether both sides are DeepSpeed's layout (ZeRO 0-3), which relayout/ reads and fills."""
+    return saved.get("format") != HZERO_FORMAT and not run.parallel.zero_hierarchy
 
 
-def _refuse_zero3_change(before: Layout, now: Layout, load_optim: bool, where: str) -> None:
-    """ZeRO-3 keeps the weights in its optimizer partitions: another layout goes through a full state."""
-    changed = [f"{flag} {a}, now {b}" for flag, a, b in (
-        ("--tensor-model-parallel-size", before.tp, now.tp), ("--pipeline-model-parallel-size", before.pp, now.pp),
-        ("--moe-expert-parallel-size", before.ep, now.ep)) if a != b]
-    if load_optim and before.dp * before.sp != now.dp * now.sp:
-        changed.append(f"data-parallel size {before.dp * before.sp}, now {now.dp * now.sp}")
-    if load_optim and before.zero != now.zero:
-        changed.append(f"--zero-stage {before.zero}, now {now.zero}")
-    if changed:  # every changed flag is named: fixing one at a time would cost a launch each
-        raise ConfigError(f"--load {where}: saved with {' and '.join(changed)}; resuming ZeRO-3 at another layout "
-                          f"in place is not built. Keep the layout, or {_CONVERT.format(where=where)} "
+def _refuse_hzero_change(before: Layout, now: Layout, where: str) -> None:
+    """Hierarchical ZeRO shards on both sides (check_saved_layout refused the rest): its tiers' shards are read at
+    their own layout only; another TP size goes through a full state."""
+    if before.tp != now.tp:  # DP, tiers and the engine kind were named by check_saved_layout already
+        raise ConfigError(f"--load {where}: hierarchical ZeRO shards saved with --tensor-model-parallel-size "
+                          f"{before.tp}, now {now.tp}; its tiers' shards are read at their own layout only (DeepSpeed "
+                          f"ZeRO 0-3 checkpoints are read at any). Keep the layout, or {_CONVERT.format(where=where)} "
                           f"(see {RESHARD_DOC})")
 
 
@@ -219,7 +213,7 @@ def check_saved_layout(saved: dict, run, where: str) -> None:
                      f"{'on' if p.zero_hierarchy_int8 else 'off'})")
     if diffs:
         raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}; its "
-                          "tiers' shards are not read at another layout in place (a DeepSpeed ZeRO 0-2 checkpoint is). "
+                          "tiers' shards are not read at another layout in place (a DeepSpeed ZeRO 0-3 checkpoint is). "
                           f"{HZERO_RESHARD.format(where=where)}")
 
 

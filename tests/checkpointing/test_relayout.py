@@ -2,8 +2,8 @@
 step 5 at one TP x PP x DP x EP x ZeRO layout, resumed from global_step5 at another through ``--load`` alone (no
 offline step), logs steps 6-10 within 1e-5 relative of the straight run at the source layout (fp32: only the
 order of float sums differs) and says "layout changed from X to Y". One straight run per source serves every
-resume from it; the Adam moments are checked equal to the source's right after one load, and a resume without them
-(--no-load-optim) misses step 7, so the check can fail."""
+resume from it; the Adam moments are checked equal to the source's right after two loads (into ZeRO-1, into ZeRO-3),
+and a resume without them (--no-load-optim) misses step 7, so the check can fail."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from tests.models import CKPT_GPT, LLAMA, replaced
 
 BASE = CKPT_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10",
                    "--vocab-size", "256"]  # 256: no padded vocabulary rows at TP 1 or 2, so TP moves are exact
-Z1, Z2 = ["--zero-stage", "1"], ["--zero-stage", "2"]
+Z1, Z2, Z3 = ["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "3"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 MOE = replaced(MOE_ARGS, {"--train-iters": "10"})  # ZeRO-2, EP 2 on 2 ranks
 
 SOURCES = {  # name -> (ranks, flags) of the straight run that writes global_step5
     "dp2-z1": (2, BASE + Z1), "dp1-z1": (1, BASE + Z1), "dp2-z2": (2, BASE + Z2), "dp1-z2": (1, BASE + Z2),
-    "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE),
+    "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE), "dp2-z3": (2, BASE + Z3),
 }
 # case -> (source, ranks, flags of the resumed run).
 CASES = {
@@ -32,15 +32,19 @@ CASES = {
     "pp1to2": ("dp1-z1", 2, BASE + Z1 + PP2),
     "ep2to1": ("ep2", 2, replaced(MOE, {"--moe-expert-parallel-size": "1"})),
     "z1toz2": ("dp2-z1", 2, BASE + Z2),
+    # ZeRO-3 keeps its weights in its optimizer files: read by its chunk arithmetic, filled through safe_set_local_*.
+    "dp2to1-z3toz2": ("dp2-z3", 1, BASE + Z2), "dp1to2-z1toz3": ("dp1-z1", 2, BASE + Z3),
 }
+MOMENTS_CHECKED = ("dp2to1-z1", "dp1to2-z1toz3")
 LAYOUT = {  # the log's name of each layout
     "dp2-z1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-1 (2 ranks)", "dp1-z1": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-1 (1 rank)",
     "dp1-z2": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-2 (1 rank)", "dp2-z2": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)",
     "tp2-pp2": "TP 2 x PP 2 x DP 1 x EP 1, ZeRO-1 (4 ranks)", "ep2": "TP 1 x PP 1 x DP 2 x EP 2, ZeRO-2 (2 ranks)",
     "tp1-pp2": "TP 1 x PP 2 x DP 1 x EP 1, ZeRO-1 (2 ranks)", "tp2-pp1": "TP 2 x PP 1 x DP 1 x EP 1, ZeRO-1 (2 ranks)",
-    "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)"}
+    "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)", "dp2-z3": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-3 (2 ranks)"}
 NOW = {"dp2to1-z1": "dp1-z1", "dp1to2-z1": "dp2-z1", "dp2to1-z2": "dp1-z2", "dp1to2-z2": "dp2-z2",
-       "tp2to1": "tp1-pp2", "pp2to1": "tp2-pp1", "pp1to2": "tp1-pp2", "ep2to1": "ep1", "z1toz2": "dp2-z2"}
+       "tp2to1": "tp1-pp2", "pp2to1": "tp2-pp1", "pp1to2": "tp1-pp2", "ep2to1": "ep1", "z1toz2": "dp2-z2",
+       "dp2to1-z3toz2": "dp1-z2", "dp1to2-z1toz3": "dp2-z3"}
 
 
 def _resumed(argv: list[str], check_moments: bool = False) -> dict:
@@ -67,10 +71,14 @@ def _resumed(argv: list[str], check_moments: bool = False) -> dict:
 
 
 def _compare_moments(ckpt_dir: str, meta: dict, engine, num_layers: int) -> dict:
-    """This rank's fp32 master weights and Adam moments as the ZeRO optimizer holds them right after the load (each
-    parameter's slice of its flat partition, where DeepSpeed's link says it is), against an independent offline
-    reader of the source's files (full_state.merge); ``covered``: elements found, of ``params`` parameters."""
+    """This rank's fp32 master weights and Adam moments as the ZeRO optimizer holds them right after the load (ZeRO-1:
+    each parameter's slice of its flat partition, where DeepSpeed's link says it is; ZeRO-3: its partition, as
+    DeepSpeed's public safe_get_local_* return it), against an independent offline reader of the source's files
+    (full_state.merge); ``covered``: elements found on this rank, of ``total`` in the ``params`` parameters."""
+    import math
+
     import torch
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     from megatron import ds_seams
     from megatron.checkpointing.full_state.merge import merge_checkpoint, merge_moments
@@ -79,19 +87,28 @@ def _compare_moments(ckpt_dir: str, meta: dict, engine, num_layers: int) -> dict
     moments, step, why = merge_moments(ckpt_dir, meta)
     weights = merge_checkpoint(ckpt_dir, meta)
     base = engine.optimizer.optimizer
-    bad, n, covered = [], 0, 0
+    bad, n, covered, total = [], 0, 0, 0
     for name, p in named_parameters(engine.module, num_layers):
         n += 1
-        hp = ds_seams.hp_mapping(p)
-        flat = base.param_groups[hp.param_group_index]["params"][0]
-        lp, at = hp.lp_fragment_address, hp.hp_fragment_address
-        covered += lp.numel
-        for k, full, held in (("exp_avg", moments[name]["exp_avg"], base.state[flat]["exp_avg"]),
-                              ("exp_avg_sq", moments[name]["exp_avg_sq"], base.state[flat]["exp_avg_sq"]),
-                              ("fp32", weights[name], flat)):
-            if not torch.equal(held.narrow(0, at.start, at.numel), full.reshape(-1).narrow(0, lp.start, lp.numel)):
+        part = ds_seams.zero3_part(p)
+        if part is None:
+            hp = ds_seams.hp_mapping(p)
+            flat = base.param_groups[hp.param_group_index]["params"][0]
+            start, numel, at = hp.lp_fragment_address.start, hp.lp_fragment_address.numel, hp.hp_fragment_address
+            held = {"exp_avg": base.state[flat]["exp_avg"], "exp_avg_sq": base.state[flat]["exp_avg_sq"], "fp32": flat}
+            held = {k: v.narrow(0, at.start, at.numel) for k, v in held.items()}
+            total += p.numel()
+        else:
+            full_numel = math.prod(part.shape)
+            start, numel = part.start, max(0, min(part.size, full_numel - part.start))
+            held = {k: safe_get_local_optimizer_state(p, k).narrow(0, 0, numel) for k in ("exp_avg", "exp_avg_sq")}
+            held["fp32"] = safe_get_local_fp32_param(p).narrow(0, 0, numel)
+            total += full_numel
+        covered += numel
+        for k, full in (("exp_avg", moments[name]["exp_avg"]), ("exp_avg_sq", moments[name]["exp_avg_sq"]),
+                        ("fp32", weights[name])):
+            if not torch.equal(held[k], full.reshape(-1).narrow(0, start, numel)):
                 bad.append(f"{name} {k}")
-    total = sum(p.numel() for p in engine.module.parameters())
     return {"params": n, "step": step, "why": why, "bad": bad, "covered": covered, "total": total}
 
 
@@ -123,7 +140,8 @@ def _close(got: dict[int, float], ref: dict[int, float]) -> list[tuple[int, floa
 def test_resumes_at_another_layout_in_place(case, straight):
     source, world, flags = CASES[case]
     save, ref = straight(source)
-    out = _run(world, flags + ["--load", save], check_moments=case == "dp2to1-z1")
+    ranks = _run(world, flags + ["--load", save], check_moments=case in MOMENTS_CHECKED)
+    out = ranks[0]
     assert sorted(out["losses"]) == [6, 7, 8, 9, 10], out["losses"]
     assert not _close(out["losses"], ref), (out["losses"], ref)
     line = [s for s in out["said"] if s.startswith("> layout changed from ")]
@@ -131,21 +149,23 @@ def test_resumes_at_another_layout_in_place(case, straight):
             "fp32 master weights, Adam moments at step 5;")
     assert len(line) == 1 and line[0].startswith(want), out["said"]
     assert "RNG states restart" in line[0] and "global batch" in line[0]
-    if case == "dp2to1-z1":  # the Adam moments and fp32 masters as they are right after the load
-        m = out["moments"]
-        assert m["params"] == 28 and m["covered"] == m["total"] and m["step"] == 5 and m["bad"] == [], m
+    if case in MOMENTS_CHECKED:  # the Adam moments and fp32 masters as they are right after the load, on every rank
+        m = [r["moments"] for r in ranks]
+        assert all(x["params"] == 28 and x["step"] == 5 and x["bad"] == [] for x in m), m
+        assert sum(x["covered"] for x in m) == m[0]["total"], m  # the ranks' partitions hold every element once
 
 
-def _run(world: int, argv: list[str], check_moments: bool) -> dict:
+def _run(world: int, argv: list[str], check_moments: bool) -> list[dict]:
+    """Every rank's summary of a resumed run (rank 0 first)."""
     from tests.launch import run_distributed
 
-    return run_distributed(_resumed, world, timeout=240, argv=argv, check_moments=check_moments)[0]
+    return run_distributed(_resumed, world, timeout=240, argv=argv, check_moments=check_moments)
 
 
 @pytest.mark.timeout(300)
 def test_without_the_moments_step_7_misses(straight):
     """The same move with --no-load-optim (weights only) matches step 6 and misses step 7: the checks above can fail."""
     save, ref = straight("dp2-z1")
-    out = _run(1, BASE + Z1 + ["--load", save, "--no-load-optim"], False)
+    out = _run(1, BASE + Z1 + ["--load", save, "--no-load-optim"], False)[0]
     assert abs(out["losses"][6] / ref[6] - 1) < 1e-5 and abs(out["losses"][7] / ref[7] - 1) > 1e-4, (out, ref)
     assert any("(weights; " in s for s in out["said"]), out["said"]

@@ -90,3 +90,24 @@ def test_bf16_resume_exact_from_a_background_save(tmp_path):
         f.write("global_step2")
     resumed = pretrain_on(1, args + ["--load", save])["losses"]
     assert resumed == {3: got["losses"][3], 4: got["losses"][4]}, (resumed, got["losses"])
+
+
+@pytest.mark.parametrize("saved,now", [(1, 3), (3, 1)])
+def test_zero_stage_change_in_place(tmp_path, saved, now):
+    """Saved at one ZeRO stage, resumed at the other on the same GPU, in place (megatron/checkpointing/relayout/): into
+    ZeRO-3 the fp32 masters and Adam moments go to the device through DeepSpeed's safe_set_local_*, out of it they are
+    read from its fp32 partitions; iterations 3-4 follow the straight run (fp32, 1e-4: cuBLAS as the HF check)."""
+    from tests.checkpointing.test_relayout import _resumed
+    from tests.launch import run_distributed
+
+    save = str(tmp_path / "ckpt")
+    args = GPU_BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-size", "256", "--train-iters", "4"]
+    straight = pretrain_on(1, args + ["--zero-stage", str(saved), "--save", save, "--save-interval", "2"])["losses"]
+    with open(f"{save}/latest", "w") as f:
+        f.write("global_step2")
+    out = run_distributed(_resumed, 1, timeout=300, argv=args + ["--zero-stage", str(now), "--load", save])[0]
+    assert sorted(out["losses"]) == [3, 4], out["losses"]
+    assert all(abs(out["losses"][i] / straight[i] - 1) < 1e-4 for i in (3, 4)), (out["losses"], straight)
+    assert any(s.startswith(f"> layout changed from TP 1 x PP 1 x DP 1 x EP 1, ZeRO-{saved} (1 rank) to TP 1 x PP 1 x "
+                            f"DP 1 x EP 1, ZeRO-{now} (1 rank): resumed global_step2 in place (weights, fp32 master "
+                            "weights, Adam moments at step 2;") for s in out["said"]), out["said"]

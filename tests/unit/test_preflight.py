@@ -11,7 +11,7 @@ import pytest
 
 from megatron.arguments import parse_args, run_config_from_args
 from megatron.checkpointing.resume_checks import RESHARD_DOC
-from megatron.checkpointing.state import plain_run
+from megatron.checkpointing.state import HZERO_FORMAT, plain_run
 from megatron.errors import ConfigError, launcher_rank
 from tests.launch import PRETRAIN, REPO, start_ranks
 from tests.unit.preflight_common import BASE, assert_one_line_error, run_until_process_group, with_flag
@@ -29,18 +29,33 @@ def _fake_checkpoint(root, argv: list[str], world: int, tag: str = "global_step2
     return str(root)
 
 
-def test_load_at_another_tp_and_pp_goes_on_and_zero3_names_both_and_a_real_anchor(tmp_path, monkeypatch, capsys):
-    """TP 2 x PP 2 ZeRO-1 at TP 1 x PP 1: resumed in place (megatron/checkpointing/relayout/), so the checks pass; the
-    same move of a ZeRO-3 checkpoint (weights in its optimizer partitions) is refused naming every changed size."""
+def test_load_at_another_layout_goes_on_and_hierarchical_zero_names_tp_and_a_real_anchor(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """TP 2 x PP 2 ZeRO-1 at TP 1 x PP 1, and TP 2 ZeRO-3 at TP 1 with another DP: resumed in place
+    (megatron/checkpointing/relayout/), so the checks pass; hierarchical ZeRO shards at another TP size are refused
+    naming it and the offline conversion (their tiers' shards are read at their own layout only)."""
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
     ckpt = _fake_checkpoint(tmp_path / "z1", BASE + layout, 4)
     rc, err, out = run_until_process_group(BASE + ["--zero-stage", "1", "--load", ckpt, "--verify-checkpoint", "off"],
                                            monkeypatch, capsys)
     assert rc is None and err == "", err
     ckpt = _fake_checkpoint(tmp_path / "z3", BASE + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 4)
-    rc, err, out = run_until_process_group(BASE + ["--zero-stage", "3", "--load", ckpt], monkeypatch, capsys)
-    assert_one_line_error(rc, err, out, "--tensor-model-parallel-size 2, now 1", "data-parallel size 2, now 1",
-                          "tools/reshard_checkpoint.py", RESHARD_DOC)
+    rc, err, out = run_until_process_group(BASE + ["--zero-stage", "3", "--load", ckpt, "--verify-checkpoint", "off"],
+                                           monkeypatch, capsys)
+    assert rc is None and err == "", err
+    hzero = ["--zero-stage", "3", "--zero-hierarchy", "package,node,network"]
+    ckpt = _fake_checkpoint(tmp_path / "hz", BASE + hzero + ["--tensor-model-parallel-size", "2"], 8)
+    meta_file = os.path.join(ckpt, "global_step2", "megatron_meta.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta.update(format=HZERO_FORMAT, hierarchy={"dp_size": 4, "levels": ["package", "node", "network"],
+                                                "weights": None, "int8": False})
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    rc, err, out = run_until_process_group(BASE + hzero + ["--load", ckpt], monkeypatch, capsys, world_size=4,
+                                           local_world_size=2)
+    assert_one_line_error(rc, err, out, "--tensor-model-parallel-size 2, now 1", "tools/reshard_checkpoint.py",
+                          RESHARD_DOC)
     path, anchor = RESHARD_DOC.split("#")
     with open(os.path.join(REPO, path)) as f:  # GitHub's anchor of a heading: lower case, spaces to dashes
         anchors = {re.sub(r"[^\w\- ]", "", line[2:].strip().lower()).replace(" ", "-")

@@ -8,11 +8,17 @@ ZeRO-1/2 and DeepSpeed's bf16 optimizer write per DP rank a flat fp32 partition 
 parameter the slice of it in that partition (``param_slice_mappings``: start in the partition, length). A
 parameter's slices, in partition order, are its flattened TP shard: the position of each in the shard is the sum of
 the lengths before it. ZeRO-0 in fp32 keeps torch AdamW's whole-tensor state in the model file (read.py's order).
+
+ZeRO-3 keeps the weights only in its optimizer files: per DP rank ``d`` of ``D`` a flat fp32 partition per sub-group,
+in which every parameter (``param_shapes`` order, of DP rank 0's model file) takes ``c = ceil(n / D)`` elements: the
+elements ``[d c, (d + 1) c)`` of its flattened TP shard (the last rank's end in padding). Adam's state of sub-group
+``g`` is laid out alike (DeepSpeed's zero_to_fp32 reads the weights with the same arithmetic).
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +30,7 @@ from megatron.errors import CheckpointError
 from megatron.model.param_names import canonical_name, expert_index, experts_per_layer, with_expert
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_FP32_GROUPS = {False: "single_partition_of_fp32_groups", True: "fp32_flat_groups"}  # by "written at ZeRO-3"
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class DeepSpeedSource:
         self._slices: dict[int, dict[str, list[_Slice]]] = {}
         self._optim: dict[str, dict] = {}
         self._adamw: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # ZeRO-3: TP shard shapes (its model files hold no weights)
         self.has_zero_files = bool(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
 
     # ------------------------------------------------------------------ what the files hold
@@ -90,7 +98,7 @@ class DeepSpeedSource:
 
     def counters(self) -> dict:
         """DeepSpeed's step counters of the run (model file of model-parallel rank 0)."""
-        sd = safe_load(model_file(self.dir, 0), mmap=True)
+        sd = safe_load(model_file(self.dir, 0) if self.zero < 3 else _zero3_model_file(self.dir, 0), mmap=True)
         return {k: sd.get(k) for k in ("global_steps", "global_samples", "skipped_steps")}
 
     def loss_scaler(self):
@@ -102,16 +110,27 @@ class DeepSpeedSource:
         return osd.get("loss_scaler"), osd.get("dynamic_loss_scale")
 
     # ------------------------------------------------------------------ pieces
+    def shard_shape(self, name: str, j: int) -> tuple[int, ...]:
+        """The shape of source TP rank ``j``'s shard of ``name``."""
+        if self.zero < 3:
+            return tuple(self.shard(name, j).shape)
+        self._slice_index(j)
+        return self._found(self._shapes.get(name), name, j)
+
     def shard(self, name: str, j: int) -> torch.Tensor:
         """The weight ``name`` of source TP rank ``j`` (mapped)."""
-        w = self._weight_index(j).get(name)
-        if w is None:
+        return self._found(self._weight_index(j).get(name), name, j)
+
+    def _found(self, found, name: str, j: int):
+        if found is None:
             raise CheckpointError(f"{self.dir} has no tensor {name} (TP rank {j}): saved from a different model "
                                   "variant")
-        return w
+        return found
 
     def pieces(self, name: str, kind: str, j: int) -> list[Piece]:
         """The pieces of ``name``'s ``kind`` (weight, master, exp_avg, exp_avg_sq) in source TP rank ``j``'s shard."""
+        if kind == "weight" and self.zero == 3:  # the fp32 partitions are its only copy of the weights
+            kind = "master"
         if kind == "weight" or kind == "master" and not self.has_zero_files:
             return [Piece(0, self.shard(name, j).reshape(-1), self.dir)]
         if not self.has_zero_files:
@@ -123,7 +142,7 @@ class DeepSpeedSource:
         for s in self._slice_index(j).get(name, []):
             osd = self._optim_file(s.path)
             if kind == "master":
-                flat = osd["single_partition_of_fp32_groups"][s.group]
+                flat = osd[_FP32_GROUPS[self.zero == 3]][s.group]
             else:
                 flat = _group_state(osd, s.group)[kind]
             out.append(Piece(start, flat.narrow(0, s.at, s.numel), s.path))
@@ -169,6 +188,9 @@ class DeepSpeedSource:
         parameter are opened, and of a tied weight only its first stage's slices are kept."""
         if j in self._slices:
             return self._slices[j]
+        if self.zero == 3:
+            self._slices[j] = self._zero3_slices(j)
+            return self._slices[j]
         weights = self._weight_index(j)
         per_layer = experts_per_layer(weights)
         index: dict[str, list[_Slice]] = {}
@@ -195,6 +217,32 @@ class DeepSpeedSource:
         self._slices[j] = index
         return index
 
+    def _zero3_slices(self, j: int) -> dict[str, list[_Slice]]:
+        """ZeRO-3: name -> its chunks in the DP ranks' files of TP rank ``j`` (the module docstring's arithmetic)."""
+        paths = {int(OPTIM_FILE.search(p).group(1)): p
+                 for p in glob.glob(os.path.join(self.dir, f"*zero_pp_rank_*_mp_rank_{j:02d}_optim_states.pt"))}
+        first = self._optim_file(paths[0]) if 0 in paths else {}
+        count = first.get("partition_count")
+        if sorted(paths) != list(range(count or 0)) or not paths:
+            raise CheckpointError(f"{self.dir}: the ZeRO-3 optimizer files of model-parallel rank {j} are of DP "
+                                  f"ranks {sorted(paths)}, partitioned over {count}: the checkpoint is incomplete")
+        index: dict[str, list[_Slice]] = {}
+        flats = first[_FP32_GROUPS[True]]
+        for g, group in enumerate(safe_load(_zero3_model_file(self.dir, j), mmap=True)["param_shapes"]):
+            at = 0
+            for local, shape in group.items():
+                n = math.prod(shape)
+                chunk = -(-n // count)
+                if (c := canonical_name(local, self.nl)) is not None:
+                    self._shapes[c] = tuple(shape)
+                    index[c] = [_Slice(paths[d], g, at, min(chunk, n - d * chunk), d) for d in range(count)
+                                if d * chunk < n]
+                at += chunk
+            if g >= len(flats) or at != flats[g].numel():
+                raise CheckpointError(f"{paths[0]}: its fp32 partition {g} does not hold its parameters' "
+                                      f"{at} elements: not the ZeRO-3 layout this reader knows (DeepSpeed 0.19.8)")
+        return index
+
     def _optim_file(self, path: str) -> dict:
         if path not in self._optim:
             self._optim[path] = safe_load(path, mmap=True)["optimizer_state_dict"]
@@ -216,9 +264,15 @@ class DeepSpeedSource:
 
 
 def _group_state(osd: dict, g: int) -> dict:
-    """Adam's state of parameter group ``g`` (a dict keyed by group, or DeepSpeed's elastic list form)."""
-    base = osd["base_optimizer_state"]
+    """Adam's state of parameter group ``g`` (a dict keyed by group, or DeepSpeed's elastic list form); ZeRO-3: of
+    flat sub-group ``g``."""
+    base = osd["base_optimizer_state"] if "base_optimizer_state" in osd else osd["optimizer_state_dict"]
     return base["state"].get(g, {}) if isinstance(base, dict) else base[g]
+
+
+def _zero3_model_file(ckpt_dir: str, mp: int) -> str:
+    """DP rank 0's model file of model-parallel rank ``mp`` at ZeRO-3 (every DP rank writes one, alike)."""
+    return os.path.join(ckpt_dir, f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt")
 
 
 def _local0(name: str) -> str:

@@ -1,10 +1,14 @@
 """Slices of a source checkpoint into this rank's model and optimizer: each parameter's TP shard into the model before
 deepspeed.initialize; after it, the flat range ZeRO-1/2 or the bf16 optimizer gave this rank of each parameter's fp32
-master weights and Adam moments (its ``_hp_mapping``), or whole shards into torch AdamW (ZeRO-0)."""
+master weights and Adam moments (its ``_hp_mapping``), ZeRO-3's partition of each parameter (through DeepSpeed's
+public safe_set_local_*), or whole shards into torch AdamW (ZeRO-0)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
 from megatron import ds_seams
 from megatron.checkpointing.ds_layout.slices import MOMENTS, DeepSpeedSource
@@ -20,12 +24,14 @@ def named_parameters(module: torch.nn.Module, num_layers: int) -> list[tuple[str
             if (c := canonical_name(n, num_layers)) is not None]
 
 
-def target_split(p: torch.nn.Parameter, tp_size: int) -> Split:
-    """How this run cuts ``p`` over TP (its attributes from megatron/core/tensor_parallel)."""
+def target_split(p: torch.nn.Parameter, tp_size: int, local: tuple[int, ...] | None = None) -> Split:
+    """How this run cuts ``p`` over TP (its attributes from megatron/core/tensor_parallel); ``local``: its TP
+    shard's shape where ``p`` no longer shows it (ZeRO-3 partitioned it)."""
+    local = tuple(p.shape) if local is None else tuple(local)
     if not getattr(p, "tensor_model_parallel", False):
-        return Split(tuple(p.shape), None)
+        return Split(local, None)
     dim = int(p.partition_dim)
-    shape = tuple(n * tp_size if i == dim else n for i, n in enumerate(p.shape))
+    shape = tuple(n * tp_size if i == dim else n for i, n in enumerate(local))
     return Split(shape, dim, int(getattr(p, "partition_stride", 1)), tp_size)
 
 
@@ -40,7 +46,7 @@ class Reader:
     def source_split(self, name: str, target: Split) -> Split:
         """The source's cut of ``name``: this run's, over the source's TP size, with its own vocabulary padding."""
         if name not in self._splits:
-            shard = tuple(self.source.shard(name, 0).shape)
+            shard = self.source.shard_shape(name, 0)
             tp = self.source.tp
             full = tuple(n * tp if i == target.dim else n for i, n in enumerate(shard))
             differs = [i for i, (a, b) in enumerate(zip(full, target.shape, strict=False)) if a != b]
@@ -78,12 +84,15 @@ def load_weights(module: torch.nn.Module, reader: Reader, num_layers: int, tp_si
 def load_optimizer(engine, reader: Reader, num_layers: int, tp_size: int, step: int, moments: bool) -> str:
     """After deepspeed.initialize: this rank's part of the fp32 master weights (where the source has them) and, with
     ``moments``, of the Adam moments at ``step``. Returns what was loaded, for the log."""
-    named = [(n, p, target_split(p, tp_size)) for n, p in named_parameters(engine.module, num_layers)]
+    params = named_parameters(engine.module, num_layers)
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)
     master = reader.source.has_master
+    named = [(n, p, target_split(p, tp_size)) for n, p in params]
     with torch.no_grad():
-        if any(ds_seams.is_hp_linked(p) for _, p, _ in named):  # ZeRO-1/2, the bf16 optimizer: flat partitions
+        if any(ds_seams.zero3_part(p) is not None for _, p in params):
+            _load_zero3(opt, base, params, reader, tp_size, step, master, moments)
+        elif any(ds_seams.is_hp_linked(p) for _, p, _ in named):  # ZeRO-1/2, the bf16 optimizer: flat partitions
             if moments:
                 for group in base.param_groups:
                     flat = group["params"][0]
@@ -113,6 +122,29 @@ def load_optimizer(engine, reader: Reader, num_layers: int, tp_size: int, step: 
                                   "per-parameter state; pass --no-load-optim")
     what = ["weights"] + (["fp32 master weights"] if master else [])
     return ", ".join(what + [f"Adam moments at step {step}"] if moments else what)
+
+
+def _load_zero3(opt, base: torch.optim.Optimizer, params: list, reader: Reader, tp_size: int, step: int,
+                master: bool, moments: bool) -> None:
+    """ZeRO-3: of each parameter the partition this rank holds (its padding stays zero), through DeepSpeed's public
+    safe_set_local_fp32_param / safe_set_local_optimizer_state. torch AdamW creates its state at the first step:
+    with ``moments`` it is created here, on ZeRO-3's flat fp32 partitions, before those setters write into it."""
+    if moments:
+        for flat in ds_seams.zero3_fp32_partitions(opt):
+            base.state[flat] = {"step": _step(base.param_groups[0], flat, step),
+                                **{k: torch.zeros_like(flat, dtype=torch.float32) for k in MOMENTS}}
+    for name, p in params:
+        part = ds_seams.zero3_part(p)
+        split = target_split(p, tp_size, part.shape)
+        a, b = part.start, min(part.start + part.size, math.prod(part.shape))
+        held = torch.zeros(part.size, dtype=torch.float32)
+        for kind in (("master",) if master else ()) + (MOMENTS if moments else ()):
+            if a < b:  # else this rank's partition of ``p`` is all padding
+                reader.fill(name, kind, split, a, b, held.narrow(0, 0, b - a))
+            if kind == "master":
+                safe_set_local_fp32_param(p, held)
+            else:
+                safe_set_local_optimizer_state(p, held, kind)
 
 
 def _step(group: dict, param: torch.Tensor, step: int) -> torch.Tensor:
