@@ -5,9 +5,10 @@ examples/frontier/ does before srun. Exit 0 when clean, 1 otherwise; the scripts
 
     python tools/check_job.py examples/frontier/gpt22b.sbatch --save runs/gpt22b/checkpoints
 
-Checks (facts in shared FRONTIER.md): walltime over the node-count bin's limit (or the partition's / QOS's),
-a job chain under ``-q debug``, a signal lead shorter than the run's measured save, ``memhooks``,
-``disable_rdzv_get`` without ``FI_CXI_RDZV_PROTO=alt_read`` (or the reverse), ``NCCL_NET=OFI`` on one node,
+Checks (facts in shared FRONTIER.md): walltime over the node-count bin's limit (or the partition's / QOS's; also
+at ``CAMPAIGN_MIN_NODES``, the fewest nodes a successor may get), a job chain under ``-q debug``, a signal lead
+shorter than the run's measured save, ``memhooks``, ``disable_rdzv_get`` without ``FI_CXI_RDZV_PROTO=alt_read``
+(or the reverse), ``NCCL_NET=OFI`` on one node,
 ``--save`` on NFS or home, torchrun instead of srun, a training srun without ``-c7`` or ``--gpu-bind=closest``,
 MIOpen caches on Lustre or home. Stdlib only: it starts in well under a second.
 """
@@ -158,10 +159,16 @@ def problems(script: str, text: str, env: Mapping[str, str], save: str | None = 
             out.append(f"walltime {t} is over -q debug's {DEBUG_HOURS} h: ask for -t 02:00:00 or less")
     elif hours is not None:
         limit = next((h for lo, hi, h in BINS if lo <= n <= hi), None)
+        fewest = _int(env.get("CAMPAIGN_MIN_NODES"))  # the fewest nodes a successor may get (campaign.sh: -N MIN-n)
+        low = next((h for lo, hi, h in BINS if lo <= fewest <= hi), None) if fewest and fewest < n else None
         if limit is not None and hours > limit:
             out.append(f"walltime {t} is over the {limit} h limit of {n} nodes (OLCF's bin for {_bin(n)} nodes): "
                        f"the job will not start; ask for -t {limit:02d}:00:00 or less, and let the job chain "
                        "(examples/frontier/campaign.sh) do the rest")
+        elif low is not None and hours > low:
+            out.append(f"CAMPAIGN_MIN_NODES={fewest}: a successor granted {fewest} nodes would ask for walltime {t}, "
+                       f"over the {low} h limit of OLCF's bin for {_bin(fewest)} nodes: keep CAMPAIGN_MIN_NODES in "
+                       f"this job's bin ({_bin(n)} nodes), or ask for -t {low:02d}:00:00")
 
     # chaining under -q debug: prohibited by OLCF
     chains = "dependency" in opts or any(re.search(r"\bsbatch\b.*(--dependency|\s-d\s)", c) for c in cmds)

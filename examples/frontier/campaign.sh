@@ -14,6 +14,10 @@
 #   CKPT_DIR              $RUN_DIR/checkpoints: --save and --load (checkpoints, finished, save_time.json, failures.jsonl)
 #   CAMPAIGN_CHAIN        1: submit a successor; 0: this job runs alone
 #   CAMPAIGN_MAX_STALLED  2: after this many jobs in a row without a new checkpoint, no successor runs
+#   CAMPAIGN_MIN_NODES    unset: the successor asks for this job's node count; MIN: for MIN up to this job's
+#                         (sbatch -N MIN-MAX), so it starts on the nodes left when some are excluded or busy and
+#                         resumes at the smaller data-parallel size (the trainer refuses a range with a node count
+#                         that cannot serve the run, in one line before training)
 # Set by the chain itself: CAMPAIGN_PREV (the job this one follows).
 
 # shellcheck disable=SC2034  # RUN_NAME / RUN_DIR / CKPT_DIR are read by the scripts that source this file
@@ -29,6 +33,7 @@ campaign_begin() {
              "nothing to do; to train further, raise the target and remove that file" >&2
         exit 0
     fi
+    campaign_check_min_nodes
     local job=${SLURM_JOB_ID:-manual} latest stalled
     latest=$(campaign_latest)
     CAMPAIGN_START_LATEST=$latest
@@ -67,7 +72,7 @@ campaign_submit() {
     local -a opts=(--parsable --dependency="afterany:$SLURM_JOB_ID" --export="ALL,CAMPAIGN_PREV=$SLURM_JOB_ID")
     local limit exclude out
     [[ -z ${SLURM_JOB_NAME:-} ]] || opts+=(-J "$SLURM_JOB_NAME")
-    [[ -z ${SLURM_JOB_NUM_NODES:-} ]] || opts+=(-N "$SLURM_JOB_NUM_NODES")
+    [[ -z ${SLURM_JOB_NUM_NODES:-} ]] || opts+=(-N "$(campaign_node_range)")
     [[ -z ${SLURM_JOB_ACCOUNT:-} ]] || opts+=(-A "$SLURM_JOB_ACCOUNT")
     [[ -z ${SLURM_JOB_PARTITION:-} ]] || opts+=(-p "$SLURM_JOB_PARTITION")
     [[ -z ${SLURM_JOB_QOS:-} ]] || opts+=(-q "$SLURM_JOB_QOS")
@@ -81,6 +86,29 @@ campaign_submit() {
         echo "campaign: run $RUN_NAME: submitted job $CAMPAIGN_SUCCESSOR to continue after job $SLURM_JOB_ID" >&2
     else
         echo "campaign: sbatch of the successor failed: this job runs alone (resubmit by hand to continue)" >&2
+    fi
+}
+
+# CAMPAIGN_MIN_NODES, when set in a job: a node count from 1 to this job's, else one line and exit before training.
+campaign_check_min_nodes() {
+    local min=${CAMPAIGN_MIN_NODES:-} nodes=${SLURM_JOB_NUM_NODES:-}
+    [[ -n $min && -n $nodes ]] || return 0
+    if [[ ! $min =~ ^[1-9][0-9]*$ ]] || (( min > nodes )); then
+        echo "campaign: CAMPAIGN_MIN_NODES=$min is not a node count from 1 to this job's $nodes: set it to one" \
+             "(the successor then asks for -N MIN-$nodes) or unset it; job ${SLURM_JOB_ID:-manual} exits without" \
+             "training or a successor" >&2
+        exit 1
+    fi
+}
+
+# What the successor asks Slurm for: this job's node count, or with CAMPAIGN_MIN_NODES the range MIN-that (Slurm
+# grants as many as it can without delaying the start).
+campaign_node_range() {
+    local min=${CAMPAIGN_MIN_NODES:-$SLURM_JOB_NUM_NODES}
+    if (( min < SLURM_JOB_NUM_NODES )); then
+        echo "$min-$SLURM_JOB_NUM_NODES"
+    else
+        echo "$SLURM_JOB_NUM_NODES"
     fi
 }
 

@@ -30,6 +30,7 @@ from megatron.errors import MegatronError
 from megatron.optim.schedule_config import micro_batch_plan
 from megatron.preflight import preflight
 from megatron.preflight.layout import check_layout
+from megatron.preflight.node_range import check_node_range
 from megatron.progress import PROGRESS
 from megatron.resilience.control import Decision
 from megatron.resilience.supervisor import SaveFn, Supervisor, tracks_collectives
@@ -76,6 +77,7 @@ def pretrain(run: RunConfig, tokenizer: Vocabulary, providers: Providers, ranks:
     check_checkpoint_support(run, ds_config, run.checkpoint)  # engine x --save/--load: refused now, not at a save
     preflight(run)  # data files, --load metadata, --save writable: still no process group
     check_layout(ds_config)  # hierarchical ZeRO needs whole nodes
+    check_node_range(run, max(1, ranks.local_world_size))  # every node count a campaign's successor may get
     rt = run.runtime
     PROGRESS.restart(faults.from_environ())  # a test's MEGATRON_FAULT, armed for this run (docs/faults.md)
     pstate = initialize.initialize_megatron(run.parallel.tp, run.parallel.pp, run.training.seed,

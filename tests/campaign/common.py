@@ -28,6 +28,13 @@ exec {python} "$@"
 """
 
 
+NODE_CHANGE_ITERS = 12
+NODE_CHANGE_ARGS = (*CAMPAIGN_GPT, "--hidden-dropout", "0", "--attention-dropout", "0")  # RNG restarts at another DP
+NODE_CHANGE_ENV = {"FAKE_SRUN_RANKS": "", "FAKE_SRUN_RANKS_PER_NODE": "1", "ZERO_STAGE": "1", "PRECISION": "fp32"}
+"""A campaign whose jobs change their node count: ranks follow nodes, and fp32 (in bf16 the end was 2e-5 off after
+two DP changes: only the order of sums differs). tests/campaign/conftest.py's straight run is its reference."""
+
+
 class Place:
     """One test's Slurm, machine and run folders under ``root``."""
 

@@ -5,10 +5,12 @@ State lives in ``$FAKE_SLURM_DIR``: ``jobs/<id>.json`` (one record per job), ``c
 ``spool/<id>/slurm_script`` (sbatch's copy of the script), ``logs/<name>-<id>.out`` (the job's output) and
 ``steps/<id>.json`` (the pids and hosts of the ranks of the job's last step). ``install(bin_dir)`` writes the five
 commands; ``Scheduler`` runs the queue: the next pending job whose ``afterany`` dependency has ended, on nodes of a
-fake machine minus its excluded ones, with ``SLURM_JOB_END_TIME`` = start + its time limit, SIGTERM to the whole job
-at that time and SIGKILL ``kill_wait`` seconds later (what Slurm does at the limit). ``--signal`` is recorded, not
-sent: tests send their signals themselves, at the moment they choose (a 45 s job and a 120 s lead would signal at
-once). ``scontrol update`` changes a pending job's ExcNodeList, TimeLimit and NumNodes. ``srun`` starts
+fake machine (``$FAKE_SLURM_NODES`` of them in the submitter's environment, default 8) minus its excluded ones (a
+range ``-N MIN-MAX`` gets as many as are left, up to MAX; fewer than MIN: the job stays pending), with
+``SLURM_JOB_END_TIME`` = start + its time limit, SIGTERM to the whole job at that time and SIGKILL ``kill_wait``
+seconds later (what Slurm does at the limit). ``--signal`` is recorded, not sent: tests send their signals
+themselves, at the moment they choose (a 45 s job and a 120 s lead would signal at once). ``scontrol update``
+changes a pending job's ExcNodeList, TimeLimit and NumNodes (N or MIN-MAX). ``srun`` starts
 ``$FAKE_SRUN_RANKS`` ranks (else ``$FAKE_SRUN_RANKS_PER_NODE`` per node, else its ``-n``) over its ``-N`` nodes,
 block distribution, with the variables megatron/topology.py discover_ranks reads (started through tests/launch/),
 and forwards the signals it receives to every rank. Stdlib only (plus megatron/topology.py's hostlist parser and tests/launch/).
@@ -178,7 +180,7 @@ def sbatch(argv: list[str]) -> int:
     job = {"id": job_id, "name": merged.get("job-name") or os.path.basename(script), "script": copy,
            "submitted_script": os.path.abspath(script), "args": args, "env": env,
            "cwd": merged.get("chdir") or os.getcwd(), "dependency": dep,
-           "nodes": int(str(merged.get("nodes", "1")).split("-")[0]), "time": merged.get("time", "1:00:00"),
+           **_node_range(str(merged.get("nodes", "1"))), "time": merged.get("time", "1:00:00"),
            "qos": merged.get("qos", "normal"), "partition": merged.get("partition", "batch"),
            "account": merged.get("account", ""), "exclude": merged.get("exclude", ""),
            "signal": merged.get("signal", ""), "state": "PENDING", "submitted": time.time(),
@@ -186,6 +188,19 @@ def sbatch(argv: list[str]) -> int:
     save_job(job)
     print(job_id if "parsable" in merged else f"Submitted batch job {job_id}")
     return 0
+
+
+def _node_range(value: str) -> dict[str, int]:
+    """``-N N`` or ``-N MIN-MAX``: ``nodes`` is the most a job takes, ``min_nodes`` the fewest it starts on."""
+    low, _, high = value.partition("-")
+    return {"min_nodes": int(low), "nodes": int(high or low)}
+
+
+def hosts_for(job: dict) -> list[str]:
+    """The nodes the job would start on now: the machine's, less the excluded ones, up to its node count."""
+    excluded = set(filter(None, job["exclude"].split(",")))
+    machine = NODES[:int(job["env"].get("FAKE_SLURM_NODES") or len(NODES))]
+    return [h for h in machine if h not in excluded][:job["nodes"]]
 
 
 def squeue(argv: list[str]) -> int:
@@ -226,7 +241,7 @@ def scontrol(argv: list[str]) -> int:
             elif k == "TimeLimit":
                 job["time"] = v
             elif k == "NumNodes":
-                job["nodes"] = int(v)
+                job.update(_node_range(v))
             else:
                 job.setdefault("updates", {})[k] = v
         save_job(job)
@@ -380,6 +395,8 @@ class Scheduler:
                     continue
             elif dep:
                 raise AssertionError(f"fake Slurm knows only afterany dependencies, job {job['id']} has {dep}")
+            if len(hosts_for(job)) < job["min_nodes"]:
+                continue  # Slurm keeps it pending until enough nodes are up
             return job
         return None
 
@@ -398,8 +415,7 @@ class Scheduler:
         return ran
 
     def run_job(self, job: dict, watch=None) -> dict:
-        excluded = set(filter(None, job["exclude"].split(",")))
-        hosts = [h for h in NODES if h not in excluded][:job["nodes"]]
+        hosts = hosts_for(job)
         start = time.time()
         end = int(start + seconds(job["time"]))
         env = {k: v for k, v in job["env"].items() if not k.startswith("SLURM")}

@@ -4,7 +4,7 @@ pending successor to 1 node (``scontrol update JobId=... NumNodes=1``), and whil
 Jobs 1 and 2 end on SIGUSR1 to the batch shell (a checkpoint, exit 0); job 3 trains to the end. Each successor
 resumes the last checkpoint at its own data-parallel size in place (megatron/checkpointing/relayout/): the global
 batch stays, the accumulation follows DP, the log says from what layout to what, and the last loss is the straight
-run's within 1e-5 relative (only the order of float sums differs)."""
+run's within 1e-5 relative (only the order of float sums differs; the straight run is tests/campaign/conftest.py's)."""
 
 from __future__ import annotations
 
@@ -13,30 +13,25 @@ import subprocess
 
 import pytest
 
-from tests.campaign.common import Place, iterations_logged, log_of, non_loopback_ip
-from tests.models import CAMPAIGN_GPT
+from tests.campaign.common import (NODE_CHANGE_ARGS, NODE_CHANGE_ENV, NODE_CHANGE_ITERS, Place, iterations_logged,
+                                   log_of, non_loopback_ip)
 
-ITERS = 12
+ITERS = NODE_CHANGE_ITERS
 SIGNAL_AFTER = 2  # iterations a job logs before its SIGUSR1
 NODES = [1, 2]  # the node count each successor is changed to, while the job before it runs
-ARGS = (*CAMPAIGN_GPT, "--hidden-dropout", "0", "--attention-dropout", "0")  # RNG restarts at another layout
 DP = {1: "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-1 (1 rank)", 2: "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-1 (2 ranks)"}
 
 
 @pytest.fixture(scope="module")
-def grown(tmp_path_factory):
+def grown(tmp_path_factory, straight_two_nodes):
     master = non_loopback_ip()
     if master is None:
         pytest.skip("no non-loopback IPv4 address here: a job of two fake nodes cannot rendezvous")
     root = tmp_path_factory.mktemp("layout")
-    env = {"FAKE_SRUN_RANKS": "", "FAKE_SRUN_RANKS_PER_NODE": "1", "MASTER_ADDR": master, "ZERO_STAGE": "1",
-           "PRECISION": "fp32"}  # in bf16 the end was 2e-5 off (only the order of sums differs)
-    straight = Place(root / "straight", ITERS, RUN_DIR=str(root / "straight" / "run"), **env)
-    straight_id = straight.sbatch("-q", "debug", "-N", "2", "-t", "20:00", args=ARGS)
-    straight.run(max_jobs=1)
+    env = {**NODE_CHANGE_ENV, "MASTER_ADDR": master}
     slow = "phase=step,action=sleep:0.5"  # docs/faults.md: a job is still training when its signal comes
     place = Place(root / "campaign", ITERS, RUN_DIR=str(root / "campaign" / "run"), MEGATRON_FAULT=slow, **env)
-    place.sbatch("-N", "2", "-t", "20:00", args=ARGS)
+    place.sbatch("-N", "2", "-t", "20:00", args=NODE_CHANGE_ARGS)
     order: list[str] = []
 
     def watch(running):
@@ -52,7 +47,7 @@ def grown(tmp_path_factory):
         running.signal_batch_shell(signal.SIGUSR1)
 
     jobs = [j for j in place.run(max_jobs=len(NODES) + 2, watch=watch) if j.get("start")]
-    return straight.result(straight_id), place, jobs
+    return straight_two_nodes, place, jobs
 
 
 def test_jobs_of_half_then_twice_the_nodes_end_on_the_straight_runs_loss(grown):
@@ -65,7 +60,6 @@ def test_jobs_of_half_then_twice_the_nodes_end_on_the_straight_runs_loss(grown):
         losses.update(place.result(job["id"])["losses"])
     assert sorted(losses) == sorted(straight["losses"]) == list(range(1, ITERS + 1))
     assert abs(losses[ITERS] / straight["losses"][ITERS] - 1) < 1e-5, (losses, straight["losses"])
-    assert len(set(straight["losses"].values())) == ITERS  # the loss moves: the check is not trivial
 
 
 def test_the_job_log_says_the_layout_changed_from_what_to_what(grown):

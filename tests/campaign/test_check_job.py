@@ -40,6 +40,10 @@ CASES = {
     "walltime over the 1-91 node bin": ({"time": "#SBATCH -t 03:00:00"}, {}, {}, "over the 2 h limit of 4 nodes"),
     "walltime over the 92-183 node bin": ({"nodes": "#SBATCH -N 100", "time": "#SBATCH -t 07:00:00"},
                                           {"NCCL_NET": "OFI"}, {}, "over the 6 h limit of 100 nodes"),
+    "a successor's fewest nodes in a shorter bin": (
+        {"nodes": "#SBATCH -N 100", "time": "#SBATCH -t 06:00:00"}, {"CAMPAIGN_MIN_NODES": "80"}, {},
+        "CAMPAIGN_MIN_NODES=80: a successor granted 80 nodes would ask for walltime 06:00:00, over the 2 h limit of "
+        "OLCF's bin for 1-91"),
     "extended partition, too many nodes": ({"nodes": "#SBATCH -N 80\n#SBATCH -p extended"}, {}, {},
                                            "80 nodes in the extended partition"),
     "debug QOS over 2 h": ({"time": "#SBATCH -t 03:00:00\n#SBATCH -q debug"}, {}, {}, "over -q debug's 2 h"),

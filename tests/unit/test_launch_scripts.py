@@ -333,3 +333,21 @@ def test_a_finished_run_exits_zero_at_once(fake_slurm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sruns == [] and modules == [] and fake_slurm.successors == []  # nothing loaded, run or submitted
     assert "campaign: run smoke_1node is finished at iteration 20" in proc.stderr
+
+
+def test_campaign_min_nodes_asks_slurm_for_a_range_or_stops_in_one_line(fake_slurm, tmp_path):
+    """CAMPAIGN_MIN_NODES: the successor asks for -N MIN-<this job's nodes>; a value that is not a node count from 1
+    to this job's stops the job before it trains or submits anything, in one line."""
+    for minimum, asked in (("2", "2-4"), ("4", "4")):
+        proc, sruns, _, _ = fake_slurm("smoke_1node.sbatch", sbatch_opts=("-N", "4"), SHOW_LAYOUT="0",
+                                       CAMPAIGN_MIN_NODES=minimum, RUN_DIR=str(tmp_path / minimum))  # a new run
+        assert proc.returncode == 0 and len(sruns) == 1, proc.stderr
+        argv, = [s["argv"] for s in fake_slurm.successors]
+        assert argv[argv.index("-N") + 1] == asked, argv
+    for bad in ("5", "0", "two"):
+        proc, sruns, _, _ = fake_slurm("smoke_1node.sbatch", sbatch_opts=("-N", "4"), SHOW_LAYOUT="0",
+                                       CAMPAIGN_MIN_NODES=bad)
+        assert proc.returncode == 1 and sruns == [] and fake_slurm.successors == [], proc.stderr
+        assert proc.stderr.strip() == (
+            f"campaign: CAMPAIGN_MIN_NODES={bad} is not a node count from 1 to this job's 4: set it to one (the "
+            "successor then asks for -N MIN-4) or unset it; job 4242 exits without training or a successor")
