@@ -1,7 +1,7 @@
 """Zero-bubble H1's memory cap (megatron/core/pipeline/deferral_cap.py, orders.py ``zbh1_order(cap=)``) on the
 simulator, no processes: every cap gives a valid order (each op once, W after its B, no deadlock, the exact variant's
-weight passes in micro-batch order), a cap never shortens the step without sends, and the caps keep every stage within 1F1B's
-largest (upstream's order wherever it already does: equal stages)."""
+weight passes in micro-batch order), a cap never shortens the step without sends, and the caps keep every stage
+within 1F1B's largest (upstream's order wherever it already does: equal stages)."""
 
 from __future__ import annotations
 
@@ -98,3 +98,35 @@ def test_the_tiny_gpts_last_stage_defers_one_pass_less_and_pays_one_forward():
 def test_only_zero_bubble_schedules_have_caps():
     with pytest.raises(ValueError, match="zbh1"):
         deferral_caps("1f1b", 2, 4, [1.0, 1.0], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("schedule", ZB)
+def test_peaks_and_costs_repeat_after_the_steady_state(schedule):
+    """What deferral_caps and the planner's cap_cost shorten m to: every stage peaks by its first steady-state
+    forward (m = p + 1 gives every peak), and the cap's cost in time is the same from m = 2p on."""
+    for p in range(2, 8):
+        for cap in range(p - 1):
+            caps = [min(cap, s) for s in range(p)]
+            for m in range(p + 1, 3 * p + 1):
+                for s in range(p):
+                    for act, deferred in ((1.0, 0.5), (1.0, 1.6), (1.3, 1.0)):
+                        assert peak_bytes(train_order(schedule, p, m, s, cap=caps[s]), act, deferred) == peak_bytes(
+                            train_order(schedule, p, p + 1, s, cap=caps[s]), act, deferred)
+
+            def cost(m: int, times: Times) -> float:
+                return (simulate([train_order(schedule, p, m, s, cap=c) for s, c in enumerate(caps)], times)
+                        - simulate([train_order(schedule, p, m, s) for s in range(p)], times))
+
+            for times in (Times(), Times(w=0.5), Times(b=2.0)):
+                assert {cost(m, times) for m in range(2 * p, 4 * p + 1)} == {cost(2 * p, times)}
+
+
+@pytest.mark.parametrize("schedule", ZB)
+def test_a_larger_cap_never_holds_less(schedule):
+    """Why deferral_caps may bisect."""
+    for p in range(2, 9):
+        for m in (p, 2 * p + 1):
+            for s in range(p):
+                for act, deferred in ((1.0, 0.5), (1.0, 1.6), (1.3, 1.0)):
+                    peaks = [peak_bytes(train_order(schedule, p, m, s, cap=c), act, deferred) for c in range(s + 1)]
+                    assert peaks == sorted(peaks)

@@ -10,6 +10,7 @@ megatron/core/pipeline/simulate.py, says how much).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from megatron.core.pipeline.orders import B, BW, F, W, Op, train_order
@@ -54,11 +55,24 @@ def deferral_caps(schedule: str, p: int, m: int, act_bytes: Sequence[float],
     no larger than the activations it comes from)."""
     if schedule not in ZB_SCHEDULES:
         raise ValueError(f"deferral caps are zero-bubble H1's ({', '.join(ZB_SCHEDULES)}), not {schedule!r}'s")
+    # Every stage reaches its peak by its first steady-state forward, so p + 1 micro-batches give the same peaks
+    # (tests/unit/test_deferral_cap.py checks it); the planner asks for many layouts.
+    return _caps(schedule, p, min(m, p + 1), tuple(act_bytes), tuple(deferred_bytes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _caps(schedule: str, p: int, m: int, act_bytes: tuple[float, ...],
+          deferred_bytes: tuple[float, ...]) -> tuple[int, ...]:
     limit = one_f_one_b_peak(p, m, act_bytes)
+
+    def fits(s: int, cap: int) -> bool:
+        return peak_bytes(train_order(schedule, p, m, s, cap=cap), act_bytes[s], deferred_bytes[s]) <= limit
+
     caps = []
     for s in range(p):
-        cap = s
-        while cap > 0 and peak_bytes(train_order(schedule, p, m, s, cap=cap), act_bytes[s], deferred_bytes[s]) > limit:
-            cap -= 1
-        caps.append(cap)
+        lo, hi = 0, s  # the peak grows with the cap: the largest that fits, 0 if none does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(s, mid) else (lo, mid - 1)
+        caps.append(lo)
     return tuple(caps)
