@@ -48,9 +48,11 @@ def _as_list(tensors) -> list[torch.Tensor]:
 
 
 class ScheduledPipelineEngine(PipelineEngine):
-    """``schedule``: 'zbh1', 'zbh1-exact' or 'interleaved' (the module's ``num_chunks`` chunks per rank)."""
+    """``schedule``: 'zbh1', 'zbh1-exact' or 'interleaved' (the module's ``num_chunks`` chunks per rank).
+    ``memory_cap=False``: zero-bubble H1 in upstream's order whatever the stages hold (bench/pipeline_schedules.py,
+    whose stand-in layers model time, not memory)."""
 
-    def __init__(self, *args, schedule: str, **kwargs) -> None:
+    def __init__(self, *args, schedule: str, memory_cap: bool = True, **kwargs) -> None:
         self.schedule_name = schedule
         self.active_chunk = None  # DeepSpeed's __init__ asks is_last_stage() in its topological sense
         super().__init__(*args, **kwargs)
@@ -75,7 +77,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                 self.grad_group = group
         # Zero-bubble H1's memory cap: each stage's (activations, weight-gradient inputs) of one micro-batch, counted
         # in the first step and agreed by every rank after it; the caps per number of micro-batches.
-        self.held_memory = HeldMemory(self) if schedule in ZB_SCHEDULES else None
+        self.held_memory = HeldMemory(self) if schedule in ZB_SCHEDULES and memory_cap else None
         self.stage_bytes: tuple[list[float], list[float]] | None = None
         self.caps: dict[int, tuple[int, ...]] = {}
 
@@ -102,8 +104,8 @@ class ScheduledPipelineEngine(PipelineEngine):
                                         self.num_chunks, cap=self.deferral_cap())
 
     def deferral_cap(self) -> int | None:
-        """This stage's zero-bubble memory cap for this step (None: not zero-bubble; 0 until the stages are counted:
-        no W waits past the next forward, 1F1B's memory)."""
+        """This stage's zero-bubble memory cap for this step (None: not zero-bubble, or no cap; 0 until the stages are
+        counted: no W waits past the next forward, 1F1B's memory)."""
         if self.held_memory is None:
             return None
         if self.stage_bytes is None:
