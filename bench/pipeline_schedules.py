@@ -9,7 +9,9 @@ planner's prediction (megatron/perf/schedules.py) and the theoretical bubble.
 Sleeps release the GIL and use no CPU, so 4-8 ranks on 2 cores behave like separate devices: what is measured is the
 schedule (DeepSpeed's PipelineEngine for 1F1B, megatron/core/pipeline/engine.py for the others, ZeRO-0 fp32 SGD,
 gloo), not this CPU. The weight-gradient sleep goes through the same store, queue and W instruction as the
-transformer layers' linears. Per configuration: 1 warm-up step, then ``--steps`` timed; the median step of the
+transformer layers' linears. ZB-H1 runs upstream's order (the engine's memory cap off): a stand-in's W keeps its input
+and output gradient, twice what its forward saves, which no transformer layer does (there the cap leaves equal
+stages in upstream's order; megatron/core/pipeline/deferral_cap.py). Per configuration: 1 warm-up step, then ``--steps`` timed; the median step of the
 slowest rank counts. ``--check`` prints ``schedule NAME step MS ratio X predicted MS`` (ratio to DeepSpeed's 1F1B).
 """
 
@@ -113,7 +115,7 @@ def _engine(schedule: str, p: int, m: int, times: tuple[float, float, float]):
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     ours = "1f1b" if schedule == "1f1b-nb" else schedule
     chosen = contextlib.nullcontext() if schedule == "1f1b" else \
-        ds_seams.pipeline_engine_class(functools.partial(ScheduledPipelineEngine, schedule=ours))
+        ds_seams.pipeline_engine_class(functools.partial(ScheduledPipelineEngine, schedule=ours, memory_cap=False))
     with chosen:
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine

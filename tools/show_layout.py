@@ -23,7 +23,7 @@ from megatron.arguments.dry_run import configure_dry_run
 from megatron.config import ModelConfig
 from megatron.errors import run_cli
 from megatron.perf.layout import Layout
-from megatron.perf.memory import GCD_MEMORY_BYTES, GIB, MemoryEstimate, estimate_memory
+from megatron.perf.memory import GCD_MEMORY_BYTES, GIB, MemoryEstimate, estimate_memory, zbh1_caps
 from megatron.perf.schedules import bubble_line
 from megatron.topology import (
     GCDS_PER_NODE,
@@ -152,7 +152,7 @@ def render(model: ModelConfig, layout: Layout, ranks_per_node: int = GCDS_PER_NO
          f"layers per stage {_stage_text(layout.stage_layers(model.num_layers))}{_experts_text(model, layout)}"),
     ]
     if layout.pp > 1:
-        out.append("P" + bubble_line(layout, model.num_layers, layout.num_microbatches)[1:])
+        out.append("P" + bubble_line(layout, model.num_layers, layout.num_microbatches, zbh1_caps(model, layout))[1:])
     if not summary_only:
         cell = "rank:t<TP rank>p<PP stage>d<DP rank>" + ("e<EP group>.<EP rank>" if experts else "")
         out += ["", f"Ranks (cell = {cell}; srun -c7 --gpu-bind=closest, #SBATCH -S 8):",

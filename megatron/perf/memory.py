@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
+from megatron.core.pipeline.deferral_cap import ZB_SCHEDULES, deferral_caps
 from megatron.perf.layout import Layout
 from megatron.perf.schedules import held
 
@@ -182,8 +183,7 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
                           reduce_bucket_size: float = REDUCE_BUCKET_SIZE) -> MemoryEstimate:
     """Memory of one GCD in pipeline ``stage`` (0-based). ``overhead_bytes=0`` leaves out the assumed
     framework overhead."""
-    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
-    a = layout.dtype_bytes
+    t, a = layout.tp, layout.dtype_bytes
     mixed = layout.dtype in ("bf16", "fp16")
     kinds = stage_parameter_kinds(model, layout, stage)
     params = sum(kinds)
@@ -208,37 +208,80 @@ def estimate_stage_memory(model: ModelConfig, layout: Layout, stage: int,
 
     in_flight = _in_flight(layout, stage)
     n_layers = layout.stage_layers(model.num_layers)[stage]
-    per_layer = activation_bytes_per_layer(model, layout)
-    if layout.recompute_granularity == "full":
-        checkpoint = s * b * h * residual_bytes(model, layout) / (t if layout.sequence_parallel else 1) / layout.ulysses
-        kept, extra = n_layers * checkpoint, per_layer
-    else:
-        kept, extra = n_layers * per_layer, 0.0
+    kept, extra = _layer_activations(model, layout, n_layers)
     schedule = layout.pipeline_schedule
     if schedule == "1f1b":
         terms["activations"] = kept * in_flight + extra
     else:  # what the schedule's compute order holds at its worst instant (megatron/perf/schedules.py held)
         v = layout.virtual_stages(model.num_layers)
         deferred = n_layers * deferred_weight_input_bytes_per_layer(model, layout)
-        terms["activations"] = held(schedule, layout.pp, layout.num_microbatches, stage, kept, deferred,
-                                    v).peak_bytes + extra
-    seq_div = (t if layout.sequence_parallel else 1) * layout.ulysses
-    if stage == 0 and model.hidden_dropout > 0:
-        terms["embedding_activations"] = s * b * h * 1 / seq_div * in_flight  # embedding dropout mask
+        caps = zbh1_caps(model, layout)
+        terms["activations"] = held(schedule, layout.pp, layout.num_microbatches, stage, kept, deferred, v,
+                                    cap=caps[stage] if caps else None).peak_bytes + extra
+    terms["embedding_activations"] = _embedding_mask(model, layout, stage) * in_flight
     if stage == 0 and model.embedding_weights_in_fp32 and a < 4:
         # The lookup's fp32 copy of this rank's table (its gradient in the backward is as large): transient.
         terms["embedding_activations"] += 4 * model.word_embedding_parameters(t)
-    if stage == layout.pp - 1:
-        v = model.padded_vocab_size(t)
-        # final-norm input and output-layer input, then logits: 16-bit output + fp32 softmax for the backward.
-        norm_in = residual_bytes(model, layout)
-        terms["logits"] = (norm_in + a) * s * b * h / seq_div + s * b * (v / t) * (a + 4) / layout.ulysses
+    terms["logits"] = _head(model, layout, stage)
     if z >= 1:
         # The optimizer step runs after the activations are freed, so its transient only counts above them.
         in_backward = sum(terms[k] for k in ("activations", "embedding_activations", "logits", "zero3_gathered"))
         terms["optimizer_step"] = max(0.0, OPTIMIZER_STEP_BYTES * local - in_backward)
     terms["framework_overhead"] = float(overhead_bytes)
     return MemoryEstimate(terms=terms, stage=stage)
+
+
+def _layer_activations(model: ModelConfig, layout: Layout, n_layers: int) -> tuple[float, float]:
+    """(what ``n_layers`` layers keep per micro-batch, the one layer's working set full recompute adds)."""
+    per_layer = activation_bytes_per_layer(model, layout)
+    if layout.recompute_granularity != "full":
+        return n_layers * per_layer, 0.0
+    s, b, h, t = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    checkpoint = s * b * h * residual_bytes(model, layout) / (t if layout.sequence_parallel else 1) / layout.ulysses
+    return n_layers * checkpoint, per_layer
+
+
+def _seq_div(layout: Layout) -> int:
+    return (layout.tp if layout.sequence_parallel else 1) * layout.ulysses
+
+
+def _embedding_mask(model: ModelConfig, layout: Layout, stage: int) -> float:
+    """Stage 0's embedding dropout mask of one micro-batch."""
+    if stage != 0 or model.hidden_dropout <= 0:
+        return 0.0
+    return model.seq_length * layout.micro_batch_size * model.hidden_size / _seq_div(layout)
+
+
+def _head(model: ModelConfig, layout: Layout, stage: int) -> float:
+    """The last stage's head of one micro-batch: final-norm input and output-layer input, then the logits (16-bit
+    output + the fp32 softmax kept for the backward)."""
+    if stage != layout.pp - 1:
+        return 0.0
+    s, b, h, t, a = model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp, layout.dtype_bytes
+    v = model.padded_vocab_size(t)
+    norms = (residual_bytes(model, layout) + a) * s * b * h / _seq_div(layout)
+    return norms + s * b * (v / t) * (a + 4) / layout.ulysses
+
+
+def stage_micro_batch_bytes(model: ModelConfig, layout: Layout) -> tuple[list[float], list[float]]:
+    """Per stage, one micro-batch's activations (its layers', stage 0's embedding mask, the last stage's head) and its
+    weight-gradient inputs under zero-bubble H1: what the memory cap weighs (the engine counts them in its first step,
+    megatron/core/pipeline/engine.py)."""
+    acts, deferred = [], []
+    w_inputs = deferred_weight_input_bytes_per_layer(model, layout)
+    for stage, n in enumerate(layout.stage_layers(model.num_layers)):
+        kept, _ = _layer_activations(model, layout, n)
+        acts.append(kept + _embedding_mask(model, layout, stage) + _head(model, layout, stage))
+        deferred.append(n * w_inputs)
+    return acts, deferred
+
+
+def zbh1_caps(model: ModelConfig, layout: Layout) -> tuple[int, ...] | None:
+    """Zero-bubble H1's memory cap per stage as this model predicts it (None under another schedule)."""
+    if layout.pipeline_schedule not in ZB_SCHEDULES or layout.pp == 1:
+        return None
+    return deferral_caps(layout.pipeline_schedule, layout.pp, layout.num_microbatches,
+                         *stage_micro_batch_bytes(model, layout))
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES,

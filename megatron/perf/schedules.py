@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.pipeline.orders import B, BW, F, SCHEDULES, W, Op, train_order
+from megatron.core.pipeline.deferral_cap import after
+from megatron.core.pipeline.orders import SCHEDULES, train_order
+from megatron.core.pipeline.simulate import Times, simulate
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,28 @@ class PipelineTime:
 
 
 def pipeline_time(schedule: str, p: int, m: int, f: float, b: float, w: float, v: int = 1,
-                  t_pp: float = 0.0) -> PipelineTime:
+                  t_pp: float = 0.0, caps: tuple[int, ...] | None = None) -> PipelineTime:
     """The pipelined part of a step under ``schedule`` (``SCHEDULES``). ``f, b, w``: one micro-batch through one
     whole stage, computation and its TP collectives; ``t_pp``: one stage's pipeline sends of one micro-batch (both
-    directions), on the critical path: once per micro-batch, or once per chunk (v times) when interleaved."""
+    directions), on the critical path: once per micro-batch, or once per chunk (v times) when interleaved. ``caps``:
+    zero-bubble H1's memory cap per stage (megatron/core/pipeline/deferral_cap.py), whose cost ``cap_cost`` adds."""
+    t = _pipeline_time(schedule, p, m, f, b, w, v, t_pp)
+    if caps is None or schedule not in ("zbh1", "zbh1-exact"):
+        return t
+    return PipelineTime(t.work, t.bubble + cap_cost(schedule, p, m, f, b, w, caps))
+
+
+def cap_cost(schedule: str, p: int, m: int, f: float, b: float, w: float, caps: tuple[int, ...]) -> float:
+    """What zero-bubble H1's memory caps add to the step (the simulator: nothing unless a cap is below upstream's
+    count, s on stage s; then typically one forward or one W per step)."""
+    if all(cap >= s for s, cap in enumerate(caps)):
+        return 0.0
+    m = min(m, 2 * p)  # the same cost from 2p micro-batches on (tests/unit/test_deferral_cap.py)
+    capped = simulate([train_order(schedule, p, m, s, cap=cap) for s, cap in enumerate(caps)], Times(f, b, w))
+    return capped - _pipeline_time(schedule, p, m, f, b, w, 1, 0.0).total  # the closed form is the simulator's
+
+
+def _pipeline_time(schedule: str, p: int, m: int, f: float, b: float, w: float, v: int, t_pp: float) -> PipelineTime:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     t_mb = f + b + w
@@ -73,30 +93,20 @@ class Held:
 
 
 def held(schedule: str, p: int, m: int, stage: int, act_bytes: float, deferred_bytes: float = 0.0,
-         v: int = 1) -> Held:
-    """What ``stage`` holds under ``schedule``, walking its compute order: a forward adds one chunk's activations
-    (``act_bytes / v``); a B trades them for its weight-gradient inputs (``deferred_bytes / v``) until its W; a
-    combined backward drops them. Counted between instructions, as the engine's counter measures them."""
+         v: int = 1, cap: int | None = None) -> Held:
+    """What ``stage`` holds under ``schedule`` (zero-bubble H1: with its memory ``cap`` on this stage), walking its
+    compute order: a forward adds one chunk's activations (``act_bytes / v``); a B trades them for its weight-gradient
+    inputs (``deferred_bytes / v``) until its W; a combined backward drops them. Counted between instructions, as the
+    engine's counter measures them."""
     v = v if schedule == "interleaved" else 1
-    ops = train_order(schedule, p, m, stage, v)
+    ops = train_order(schedule, p, m, stage, v, cap=cap)
     acts = pending = 0
     most = [0, 0, 0.0]
     for op in ops:
-        acts, pending = _after(op, acts, pending)
+        acts, pending = after(op, acts, pending)
         most[0], most[1] = max(most[0], acts), max(most[1], pending)
         most[2] = max(most[2], (acts * act_bytes + pending * deferred_bytes) / v)
     return Held(most[0] / v, most[1] / v, most[2])
-
-
-def _after(op: Op, acts: int, pending: int) -> tuple[int, int]:
-    if op.kind == F:
-        return acts + 1, pending
-    if op.kind == BW:
-        return acts - 1, pending
-    if op.kind == B:
-        return acts - 1, pending + 1
-    assert op.kind == W
-    return acts, pending - 1
 
 
 def schedule_flags(schedule: str, layers_per_chunk: int | None = None) -> str:
@@ -106,12 +116,20 @@ def schedule_flags(schedule: str, layers_per_chunk: int | None = None) -> str:
             "interleaved": f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk}"}[schedule]
 
 
-def bubble_line(parallel, num_layers: int, microbatches: int) -> str:
+def bubble_line(parallel, num_layers: int, microbatches: int, caps: tuple[int, ...] | None = None) -> str:
     """The dry run's and the layout report's line: ``parallel``'s (a ParallelConfig) schedule and its predicted
-    bubble, with forward = input-gradient = weight-gradient time, beside 1F1B's."""
+    bubble, with forward = input-gradient = weight-gradient time, beside 1F1B's; under zero-bubble H1 with ``caps``
+    (megatron/perf/memory.py ``zbh1_caps``) below upstream's count, which stages defer fewer and what it costs."""
     schedule, v = parallel.pipeline_schedule, parallel.virtual_stages(num_layers)
     p = parallel.pp
-    bubble = bubble_fraction(schedule, p, microbatches, v=v)
+    t = pipeline_time(schedule, p, microbatches, 1.0, 1.0, 1.0, v, caps=caps)
     chunks = f", {v} model chunks per rank" if v > 1 else ""
     base = "" if schedule == "1f1b" else f" (1F1B: {100 * bubble_fraction('1f1b', p, microbatches):.1f}%)"
-    return f"pipeline schedule {schedule}{chunks}: predicted bubble {100 * bubble:.1f}% of the pipelined time{base}"
+    line = (f"pipeline schedule {schedule}{chunks}: predicted bubble {100 * t.bubble / t.total:.1f}% of the "
+            f"pipelined time{base}")
+    capped = [f"stage {s} {cap} of {s}" for s, cap in enumerate(caps or ()) if cap < s]
+    if capped:
+        cost = cap_cost(schedule, p, microbatches, 1.0, 1.0, 1.0, caps)
+        line += (f"; memory cap (1F1B's peak): weight passes deferred {', '.join(capped)}, +{cost:g} forward "
+                 "time per step")
+    return line

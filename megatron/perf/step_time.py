@@ -36,7 +36,7 @@ from megatron.errors import ConfigError
 from megatron.perf.comm import CommEstimate, estimate_comm
 from megatron.perf.flops import IterationFlops, forward_flops_per_token, iteration_flops
 from megatron.perf.layout import Layout
-from megatron.perf.memory import local_partition, stage_parameters
+from megatron.perf.memory import local_partition, stage_parameters, zbh1_caps
 from megatron.perf.schedules import pipeline_time
 from megatron.topology import GCDS_PER_NODE
 
@@ -181,7 +181,8 @@ def estimate_step_time(model: ModelConfig, layout: Layout, efficiency: float = C
     plain = dataclasses.replace(layout, recompute_granularity=None)
     third = (compute + tp) * stage_flops_per_microbatch(model, plain, bottleneck) / (
         3 * stage_flops_per_microbatch(model, layout, bottleneck))
-    piped = pipeline_time(schedule, p, m, third, compute + tp - 2 * third, third, v, t_pp=pp)
+    piped = pipeline_time(schedule, p, m, third, compute + tp - 2 * third, third, v, t_pp=pp,
+                          caps=zbh1_caps(model, layout))
     return StepTime(compute=m * compute, bubble=piped.bubble, tp_comm=m * tp, pp_comm=m * pp * v,
                     dp_comm=dp_exposed, optimizer=optimizer, flops=flops, world_size=layout.world_size,
                     peak=peak, bottleneck_stage=bottleneck)

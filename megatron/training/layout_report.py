@@ -17,7 +17,7 @@ from megatron.model.moe import MoE
 from megatron.model.norms import Norm
 from megatron.model.transformer import TransformerLayer
 from megatron.perf.layout import Layout
-from megatron.perf.memory import GIB, estimate_stage_memory
+from megatron.perf.memory import GIB, estimate_stage_memory, zbh1_caps
 from megatron.perf.schedules import bubble_line
 from megatron.topology import GCDS_PER_NODE, frontier_placement, group_reports
 
@@ -56,7 +56,7 @@ def layout_report(run: RunConfig, pstate: ParallelState, partition_method: str =
     if p.ulysses > 1:
         lines.append(sequence_parallel_links(run))
     if p.pp > 1:
-        lines.append("> " + bubble_line(p, m.num_layers, layout.num_microbatches))
+        lines.append("> " + bubble_line(p, m.num_layers, layout.num_microbatches, zbh1_caps(m, layout)))
     engine = "pipeline engine (GPTModelPipe)" if p.pp > 1 else "plain engine (GPTModel)"
     lines.append(f"  stages ({engine}, partition {partition_method if p.pp > 1 else 'n/a'}):")
     for stage, contents in enumerate(stage_contents(m, parts)):

@@ -17,6 +17,9 @@ checkpoints, ``train_batch`` / ``eval_batch``. What changes:
   fast as the default (megatron/perf/schedules.py). The first send of each chunk carries DeepSpeed's shape metadata.
 - ``is_first_stage`` / ``is_last_stage`` answer for the active chunk (outside one: the rank's topology), so
   DeepSpeed's loads, loss and GAS scaling follow the virtual stages.
+- Zero-bubble H1 stays within 1F1B's peak memory on every stage (megatron/core/pipeline/deferral_cap.py): the
+  first step defers no W past the next forward while the engine counts each stage's bytes of one micro-batch
+  (memory_count.py); from the second step each stage defers as many as fit (upstream's order when stages are equal).
 
 Activations are sent whole (DeepSpeed's ``pipe_partitioned`` is off for these schedules, megatron/engine.py).
 Every DeepSpeed private name used here goes through megatron/ds_seams.py.
@@ -35,6 +38,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from megatron import ds_seams
 from megatron.core import comm
 from megatron.core.pipeline import schedules
+from megatron.core.pipeline.deferral_cap import ZB_SCHEDULES, deferral_caps
+from megatron.core.pipeline.memory_count import HeldMemory
 from megatron.core.tensor_parallel.weight_grad_store import WEIGHT_GRAD_STORE, run_weight_pass
 
 
@@ -43,9 +48,11 @@ def _as_list(tensors) -> list[torch.Tensor]:
 
 
 class ScheduledPipelineEngine(PipelineEngine):
-    """``schedule``: 'zbh1', 'zbh1-exact' or 'interleaved' (the module's ``num_chunks`` chunks per rank)."""
+    """``schedule``: 'zbh1', 'zbh1-exact' or 'interleaved' (the module's ``num_chunks`` chunks per rank).
+    ``memory_cap=False``: zero-bubble H1 in upstream's order whatever the stages hold (bench/pipeline_schedules.py,
+    whose stand-in layers model time, not memory)."""
 
-    def __init__(self, *args, schedule: str, **kwargs) -> None:
+    def __init__(self, *args, schedule: str, memory_cap: bool = True, **kwargs) -> None:
         self.schedule_name = schedule
         self.active_chunk = None  # DeepSpeed's __init__ asks is_last_stage() in its topological sense
         super().__init__(*args, **kwargs)
@@ -68,6 +75,11 @@ class ScheduledPipelineEngine(PipelineEngine):
             group = dist.new_group(ranks=ranks)
             if self.global_rank in ranks:
                 self.grad_group = group
+        # Zero-bubble H1's memory cap: each stage's (activations, weight-gradient inputs) of one micro-batch, counted
+        # in the first step and agreed by every rank after it; the caps per number of micro-batches.
+        self.held_memory = HeldMemory(self) if schedule in ZB_SCHEDULES and memory_cap else None
+        self.stage_bytes: tuple[list[float], list[float]] | None = None
+        self.caps: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ chunks
     def is_first_stage(self) -> bool:
@@ -89,7 +101,29 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _train_schedule(self):
         return schedules.train_schedule(self.schedule_name, self.micro_batches, self.num_stages, self.stage_id,
-                                        self.num_chunks)
+                                        self.num_chunks, cap=self.deferral_cap())
+
+    def deferral_cap(self) -> int | None:
+        """This stage's zero-bubble memory cap for this step (None: not zero-bubble, or no cap; 0 until the stages are
+        counted: no W waits past the next forward, 1F1B's memory)."""
+        if self.held_memory is None:
+            return None
+        if self.stage_bytes is None:
+            return 0
+        if self.micro_batches not in self.caps:
+            self.caps[self.micro_batches] = deferral_caps(self.schedule_name, self.num_stages, self.micro_batches,
+                                                          *self.stage_bytes)
+        return self.caps[self.micro_batches][self.stage_id]
+
+    def _count_stages(self) -> None:
+        """After the first step: every stage's bytes of one micro-batch, the largest over its ranks, on every rank
+        (so that the ranks of a stage run the same order)."""
+        p, mine = self.num_stages, self.held_memory
+        values = [0.0] * (2 * p)
+        values[self.stage_id], values[p + self.stage_id] = float(mine.forward_bytes), float(mine.deferred_bytes)
+        values = comm.reduce_host(values, op=torch.distributed.ReduceOp.MAX)
+        self.stage_bytes = (values[:p], values[p:])
+        mine.counting = mine.every_step
 
     def _inference_schedule(self, micro_batches):
         return schedules.inference_schedule(micro_batches, self.num_stages, self.stage_id, self.num_chunks)
@@ -97,9 +131,12 @@ class ScheduledPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         WEIGHT_GRAD_STORE.clear()
         try:
-            return super().train_batch(data_iter)
+            loss = super().train_batch(data_iter)
         finally:  # an exception leaves nothing deferred for the next step
             WEIGHT_GRAD_STORE.clear()
+        if self.held_memory is not None and self.stage_bytes is None:
+            self._count_stages()
+        return loss
 
     def reset_activation_shape(self) -> None:
         super().reset_activation_shape()

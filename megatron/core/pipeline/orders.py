@@ -40,20 +40,29 @@ def one_f_one_b_order(p: int, m: int, s: int) -> list[Op]:
     return ops + [Op(BW, mb) for mb in range(m - warmup, m)]
 
 
-def zbh1_order(p: int, m: int, s: int, exact: bool = False) -> list[Op]:
+def zbh1_order(p: int, m: int, s: int, exact: bool = False, cap: int | None = None) -> list[Op]:
     """Upstream Megatron-DeepSpeed's ZeroBubbleH1Pipeline (deepspeed_zbh1_schedule.py) on stage ``s``, op for op.
 
     Sections: p - s - 1 forwards; s pairs F, B; then F with a backward while forwards remain (stage 0: BW; default:
     BW, except the last one, B then W; exact: B then W); then the remaining backwards (stage 0: BW, else B then W);
     then the W still pending. W always takes the oldest pending B (FIFO): the exact variant therefore applies every
     micro-batch's weight gradients in order 0..m-1, as 1F1B; the default applies some out of order.
+
+    ``cap`` (the memory cap, megatron/core/pipeline/deferral_cap.py): a forward starts with at most ``cap`` weight
+    passes pending; the oldest run just before it. Upstream's order never has more than ``s`` pending at a forward,
+    so a cap >= s changes nothing. Below s the stage's steady state is the exact variant's (B then W, never slower
+    in the simulator than BW with the cap: tests/unit/test_deferral_cap.py). A W waits on nothing but its own B, so
+    running it earlier cannot deadlock.
     """
+    split_steady = exact or (cap is not None and cap < s)
     ops: list[Op] = []
     pending: list[int] = []
     f = b = 0
 
     def forward() -> None:
         nonlocal f
+        while cap is not None and len(pending) > cap:
+            weight()
         ops.append(Op(F, f))
         f += 1
 
@@ -76,7 +85,7 @@ def zbh1_order(p: int, m: int, s: int, exact: bool = False) -> list[Op]:
         forward()
         if s == 0:
             backward(split=False)
-        elif f == m or exact:
+        elif f == m or split_steady:
             backward(split=True)
             weight()
         else:
@@ -135,12 +144,13 @@ def forward_only_order(p: int, m: int, v: int = 1) -> list[Op]:
     return [Op(F, mb, c) for c, mb in (_interleaved_mb(p, v, k) for k in range(m * v))]
 
 
-def train_order(schedule: str, p: int, m: int, r: int, v: int = 1) -> list[Op]:
-    """The compute order of ``schedule`` (one of ``SCHEDULES``) on rank ``r``."""
+def train_order(schedule: str, p: int, m: int, r: int, v: int = 1, cap: int | None = None) -> list[Op]:
+    """The compute order of ``schedule`` (one of ``SCHEDULES``) on rank ``r``; ``cap``: zero-bubble H1's memory cap
+    on this rank (``zbh1_order``)."""
     if schedule == "1f1b":
         return one_f_one_b_order(p, m, r)
     if schedule in ("zbh1", "zbh1-exact"):
-        return zbh1_order(p, m, r, exact=schedule == "zbh1-exact")
+        return zbh1_order(p, m, r, exact=schedule == "zbh1-exact", cap=cap)
     if schedule == "interleaved":
         return interleaved_order(p, m, v, r)
     raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")

@@ -76,9 +76,11 @@ class OrderedSchedule(PipeSchedule):
         return [WeightPass(buf, **kw)]
 
 
-def train_schedule(name: str, micro_batches: int, stages: int, stage_id: int, chunks: int = 1) -> OrderedSchedule:
-    """``name``: 'zbh1', 'zbh1-exact' or 'interleaved' (megatron/core/pipeline/orders.py SCHEDULES)."""
-    order = train_order(name, stages, micro_batches, stage_id, chunks)
+def train_schedule(name: str, micro_batches: int, stages: int, stage_id: int, chunks: int = 1,
+                   cap: int | None = None) -> OrderedSchedule:
+    """``name``: 'zbh1', 'zbh1-exact' or 'interleaved' (megatron/core/pipeline/orders.py SCHEDULES); ``cap``:
+    zero-bubble H1's memory cap on this stage (orders.py ``zbh1_order``)."""
+    order = train_order(name, stages, micro_batches, stage_id, chunks, cap=cap)
     return OrderedSchedule(micro_batches, stages, stage_id, order, chunks)
 
 

@@ -61,10 +61,10 @@ class WeightGradStore:
     def pending(self) -> int:
         return len(self._queue)
 
-    def held_storages(self) -> dict[int, int]:
-        """The distinct storages the pending items keep alive: address -> bytes."""
+    def held_storages(self, newest_only: bool = False) -> dict[int, int]:
+        """The distinct storages the pending items (or the newest one) keep alive: address -> bytes."""
         seen: dict[int, int] = {}
-        for _, items in self._queue:
+        for _, items in list(self._queue)[-1:] if newest_only else self._queue:
             for _, _, held in items:
                 for t in held:
                     storage = t.untyped_storage()
