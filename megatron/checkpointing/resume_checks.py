@@ -112,7 +112,7 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
         check_precision(saved["run"]["precision"], run, where)
     if before == now and not _weights_tier_changed(saved, run):
         return None
-    _refuse_hzero_tp_change(before, now, where)
+    refuse_hzero_tp_change(before, now, where)
     v_saved, v_now = saved_virtual_stages(saved, run), run.parallel.virtual_stages(run.model.num_layers)
     if max(v_saved, v_now) > 1:  # relayout/ reads stages of consecutive layers, not interleaved chunks
         raise ConfigError(f"--load {where}: another layout ({before} -> {now}) together with "
@@ -129,7 +129,7 @@ def _weights_tier_changed(saved: dict, run: RunConfig) -> bool:
     return saved.get("format") == HZERO_FORMAT and bool(w) and saved["hierarchy"]["weights"] != w
 
 
-def _refuse_hzero_tp_change(before: Layout, now: Layout, where: str) -> None:
+def refuse_hzero_tp_change(before: Layout, now: Layout, where: str) -> None:
     """Hierarchical ZeRO shards are read at another DP size, tiers and engine in place; another TP size is not
     exercised there and goes through a full state."""
     if before.hzero and before.tp != now.tp:
