@@ -91,8 +91,8 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     # Another DP size, tiers, int8 stage or engine is a layout change, read in place (tests/checkpointing/
     # test_relayout.py resumes one); another TP size is refused before any process group, naming the fix.
     def now(**parallel):
-        p = {"tp": 1, "pp": 1, "dp": 4, "ulysses": 1, "ep": 1, "zero_stage": 3, "zero_hierarchy": "package,node,network",
-             "zero_hierarchy_int8": False, **parallel}
+        p = {"tp": 1, "pp": 1, "dp": 4, "ulysses": 1, "ep": 1, "zero_stage": 3,
+             "zero_hierarchy": "package,node,network", "zero_hierarchy_int8": False, **parallel}
         return str(run_layout(SimpleNamespace(parallel=SimpleNamespace(**p), model=SimpleNamespace(
             moe=SimpleNamespace(enabled=False)))))
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from megatron.checkpointing.ds_layout.slices import Piece
+from megatron.checkpointing.ds_layout.slices import Piece, no_tensor
 from megatron.checkpointing.hzero.shards import shard_file
 from megatron.checkpointing.live.safe_io import safe_load
 from megatron.errors import CheckpointError
@@ -88,8 +88,7 @@ class HZeroSource:
 
     def _found(self, name: str, j: int) -> tuple[int, int, tuple[int, ...]]:
         if name not in self._where:
-            raise CheckpointError(f"{self.dir} has no tensor {name} (TP rank {j}): saved from a different model "
-                                  "variant")
+            raise no_tensor(self.dir, name, j)
         return self._where[name]
 
     def pieces(self, name: str, kind: str, j: int) -> list[Piece]:
