@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 from megatron.checkpointing.ds_layout.slices import Piece, no_tensor
 from megatron.checkpointing.hzero.shards import shard_file
