@@ -98,8 +98,8 @@ class Checkpointer:
 def open_checkpoint(run: RunConfig, pstate: ParallelState, ds_config: dict) -> Checkpointer:
     """The Checkpointer of this run: what ``--load`` holds, classified once (files and markers only), and the format
     of the engine ``ds_config`` builds (hierarchical ZeRO's shards, else DeepSpeed's layout). A checkpoint of ours
-    is read by the engine's own format (resume_checks.check_saved_layout refuses the other engine's), or, written at
-    another layout, by relayout/ in place (resume_checks.check_resume decides)."""
+    is read by the engine's own format, or, written at another layout or by the other engine (DeepSpeed's,
+    hierarchical ZeRO's), by relayout/ in place (resume_checks.check_resume decides)."""
     target = classify_load(run.checkpoint)
     writes = HierarchicalZeroFormat if engine_kind(run, ds_config) == "hierarchical" else DeepSpeedFormat
     if target.kind == "ours":

@@ -1,7 +1,7 @@
 """Whether a checkpoint may be resumed under this run's flags, decided from its metadata alone (the preflight and
-every loader ask the same functions): model shape, experts, engine kind and hierarchical ZeRO tiers, precision when
-the optimizer is loaded, and whether another TP x PP x DP x EP x ZeRO layout is resumed in place (``LayoutChange``)
-or refused (hierarchical ZeRO; a data order that depends on DP)."""
+every loader ask the same functions): model shape, experts, precision when the optimizer is loaded, and whether
+another TP x PP x DP x EP x ZeRO layout (hierarchical ZeRO's tiers and engine included) is resumed in place
+(``LayoutChange``) or refused (hierarchical ZeRO shards at another TP; a data order that depends on DP)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def loads_optimizer(settings: CheckpointSettings, meta: dict) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run's ranks hold the model: what a checkpoint written at one layout needs to be read at another."""
+    """How a run's ranks hold the model: what a checkpoint written at one layout needs to be read at another.
+    ``hzero``: hierarchical ZeRO's tiers (and int8 stage), empty for DeepSpeed's engine."""
 
     tp: int
     pp: int
@@ -55,6 +56,7 @@ class Layout:
     sp: int
     ep: int
     zero: int
+    hzero: str = ""
 
     @property
     def ranks(self) -> int:
@@ -63,7 +65,12 @@ class Layout:
     def __str__(self) -> str:
         sp = f" x SP {self.sp}" if self.sp > 1 else ""
         ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
-        return f"TP {self.tp} x PP {self.pp} x DP {self.dp}{sp} x EP {self.ep}, ZeRO-{self.zero} ({ranks})"
+        zero = f"hierarchical ZeRO {self.hzero}" if self.hzero else f"ZeRO-{self.zero}"
+        return f"TP {self.tp} x PP {self.pp} x DP {self.dp}{sp} x EP {self.ep}, {zero} ({ranks})"
+
+
+def _tiers(levels, int8: bool) -> str:
+    return ",".join(levels) + (" + int8" if int8 else "")
 
 
 def saved_layout(saved: dict) -> Layout:
@@ -72,12 +79,15 @@ def saved_layout(saved: dict) -> Layout:
     tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
     sp = p.get("ds_sequence_parallel_size", 1)
     ep = p.get("moe_expert_parallel_size", 1) if any(n > 1 for n in moe.get("num_experts") or [1]) else 1
-    return Layout(tp, pp, p["world_size"] // (tp * pp * sp), sp, ep, p["zero_stage"])
+    h = saved.get("hierarchy") if saved.get("format") == HZERO_FORMAT else None
+    return Layout(tp, pp, p["world_size"] // (tp * pp * sp), sp, ep, p["zero_stage"],
+                  _tiers(h["levels"], h["int8"]) if h else "")
 
 
 def run_layout(run: RunConfig) -> Layout:
     p = run.parallel
-    return Layout(p.tp, p.pp, p.dp, p.ulysses, p.ep if run.model.moe.enabled else 1, p.zero_stage)
+    return Layout(p.tp, p.pp, p.dp, p.ulysses, p.ep if run.model.moe.enabled else 1, p.zero_stage,
+                  _tiers(parse_levels(p.zero_hierarchy), p.zero_hierarchy_int8) if p.zero_hierarchy else "")
 
 
 @dataclass(frozen=True)
@@ -94,20 +104,15 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
     """Refuse a checkpoint whose model shape differs from this run's, or whose layout this run cannot read; allow
     the rest (train-iters, LR schedule, intervals, batch size) to change. ``saved`` is a checkpoint's metadata.
     Returns the layout change when the checkpoint is resumed at another TP x PP x DP x EP x ZeRO layout in place
-    (DeepSpeed's layout, ZeRO 0-3, on both sides), None when the layouts are the same."""
+    (DeepSpeed's ZeRO 0-3 or hierarchical ZeRO on either side), None when the layouts are the same."""
     check_model_shape(saved["run"]["model"], run, where)
     check_experts(saved["run"]["model"].get("moe") or {}, run, where)
-    # Engine kind, DP size and tier layout of hierarchical ZeRO shards: weights live in them too, so these hold
-    # even without the optimizer.
-    check_saved_layout(saved, run, where)
     before, now = saved_layout(saved), run_layout(run)
     if load_optim:
         check_precision(saved["run"]["precision"], run, where)
-    if before == now:
+    if before == now and not _weights_tier_changed(saved, run):
         return None
-    if not relayout_possible(saved, run):
-        _refuse_hzero_change(before, now, where)
-        return None
+    refuse_hzero_tp_change(before, now, where)
     v_saved, v_now = saved_virtual_stages(saved, run), run.parallel.virtual_stages(run.model.num_layers)
     if max(v_saved, v_now) > 1:  # relayout/ reads stages of consecutive layers, not interleaved chunks
         raise ConfigError(f"--load {where}: another layout ({before} -> {now}) together with "
@@ -118,19 +123,19 @@ def check_resume(saved: dict, run: RunConfig, load_optim: bool, where: str) -> L
     return LayoutChange(before, now, tuple(_notes(saved, run)))
 
 
-def relayout_possible(saved: dict, run: RunConfig) -> bool:
-    """Whether both sides are DeepSpeed's layout (ZeRO 0-3), which relayout/ reads and fills."""
-    return saved.get("format") != HZERO_FORMAT and not run.parallel.zero_hierarchy
+def _weights_tier_changed(saved: dict, run: RunConfig) -> bool:
+    """Hierarchical ZeRO shards resumed with another --zero-hierarchy-weights: the secondary shards are rebuilt."""
+    w = run.parallel.zero_hierarchy_weights
+    return saved.get("format") == HZERO_FORMAT and bool(w) and saved["hierarchy"]["weights"] != w
 
 
-def _refuse_hzero_change(before: Layout, now: Layout, where: str) -> None:
-    """Hierarchical ZeRO shards on both sides (check_saved_layout refused the rest): its tiers' shards are read at
-    their own layout only; another TP size goes through a full state."""
-    if before.tp != now.tp:  # DP, tiers and the engine kind were named by check_saved_layout already
+def refuse_hzero_tp_change(before: Layout, now: Layout, where: str) -> None:
+    """Hierarchical ZeRO shards are read at another DP size, tiers and engine in place; another TP size is not
+    exercised there and goes through a full state."""
+    if before.hzero and before.tp != now.tp:
         raise ConfigError(f"--load {where}: hierarchical ZeRO shards saved with --tensor-model-parallel-size "
-                          f"{before.tp}, now {now.tp}; its tiers' shards are read at their own layout only (DeepSpeed "
-                          f"ZeRO 0-3 checkpoints are read at any). Keep the layout, or {_CONVERT.format(where=where)} "
-                          f"(see {RESHARD_DOC})")
+                          f"{before.tp}, now {now.tp}: read in place at another DP size or tiers only. Keep TP "
+                          f"{before.tp}, or {_CONVERT.format(where=where)} (see {RESHARD_DOC})")
 
 
 def check_precision(prec: dict, run: RunConfig, where: str) -> None:
@@ -185,36 +190,6 @@ def chunks_changed(saved: dict, run: RunConfig) -> bool:
     does: 1F1B and zero-bubble H1 place them alike, interleaving with v chunks per rank otherwise. Each rank's
     optimizer files then hold other layers' moments: they are carried by name (full_state/format.carry_moments)."""
     return saved_virtual_stages(saved, run) != run.parallel.virtual_stages(run.model.num_layers)
-
-
-def check_saved_layout(saved: dict, run, where: str) -> None:
-    """Before any process group: a hierarchical checkpoint loads only into the same hierarchical layout, and a
-    DeepSpeed checkpoint only into DeepSpeed (their shards mean different things). One line naming the fix."""
-    p = run.parallel
-    ours = saved.get("format") == HZERO_FORMAT
-    if not ours and not p.zero_hierarchy:
-        return
-    if ours != bool(p.zero_hierarchy):
-        was = "hierarchical ZeRO (--zero-hierarchy)" if ours else "DeepSpeed"
-        now = "hierarchical ZeRO (--zero-hierarchy)" if p.zero_hierarchy else "DeepSpeed"
-        raise ConfigError(f"--load {where}: saved by the {was} engine, this run uses the {now} engine. "
-                          f"{HZERO_RESHARD.format(where=where)}")
-    h = saved["hierarchy"]
-    levels = list(parse_levels(p.zero_hierarchy))
-    diffs = []
-    if h["dp_size"] != p.dp:
-        diffs.append(f"data-parallel size {h['dp_size']} (now {p.dp})")
-    if h["levels"] != levels:
-        diffs.append(f"--zero-hierarchy {','.join(h['levels'])} (now {','.join(levels)})")
-    if p.zero_hierarchy_weights and h["weights"] != p.zero_hierarchy_weights:
-        diffs.append(f"--zero-hierarchy-weights {h['weights']} (now {p.zero_hierarchy_weights})")
-    if h["int8"] != p.zero_hierarchy_int8:
-        diffs.append(f"--zero-hierarchy-int8 {'on' if h['int8'] else 'off'} (now "
-                     f"{'on' if p.zero_hierarchy_int8 else 'off'})")
-    if diffs:
-        raise ConfigError(f"--load {where}: hierarchical ZeRO shards were saved with {'; '.join(diffs)}; its "
-                          "tiers' shards are not read at another layout in place (a DeepSpeed ZeRO 0-3 checkpoint is). "
-                          f"{HZERO_RESHARD.format(where=where)}")
 
 
 _MOE_FIELDS = {"num_experts": "--num-experts", "expert_interval": "--expert-interval", "mlp_type": "--mlp-type",

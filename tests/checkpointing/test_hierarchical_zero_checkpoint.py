@@ -1,7 +1,8 @@
 """Hierarchical ZeRO (--zero-hierarchy package,node,network) checkpoints on 4 gloo ranks (2 simulated nodes of 2):
 bit-exact resume in fp32 and in bf16 with the int8 network stage (its error-feedback residuals are saved), HF
-export of the saved shards, resharding with Adam moments to another DP size, layout refusals, retention, and a
-kill -9 in the middle of a save."""
+export of the saved shards, resharding with Adam moments to another DP size, layout names and the TP refusal
+(another DP size or tiers resumes in place: tests/checkpointing/test_relayout.py), retention, and a kill -9 in the
+middle of a save."""
 
 import json
 import os
@@ -41,7 +42,7 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
 
     from megatron.checkpointing.hf.convert import read_any
     from megatron.checkpointing.full_state.shard import load_into_model
-    from megatron.checkpointing.resume_checks import check_saved_layout
+    from megatron.checkpointing.resume_checks import refuse_hzero_tp_change, run_layout, saved_layout
     from megatron.core.parallel_state import single_process_state
     from megatron.errors import ConfigError
     from megatron.model.gpt_model import GPTModel
@@ -87,20 +88,24 @@ def test_fp32_resume_bit_exact_export_to_hf_and_layout_checks(tmp_path):
     one = pretrain_on(1, one_node + ["--load", str(tmp_path / "full"), "--exit-interval", "12"])["losses"]
     assert list(one) == [11, 12] and all(abs(one[i] - straight[i]) < 1e-5 for i in (11, 12)), (one, straight)
 
-    # A different DP size or tier layout is refused before any process group, naming the fix.
-    def refused(**parallel) -> str:
-        run = SimpleNamespace(parallel=SimpleNamespace(**{"zero_hierarchy": "package,node,network", "dp": 4,
-                                                          "zero_hierarchy_weights": None, "zero_hierarchy_int8": False,
-                                                          **parallel}))
-        with pytest.raises(ConfigError) as e:
-            check_saved_layout(meta, run, step10)
-        assert "tools/reshard_checkpoint.py" in str(e.value) and "\n" not in str(e.value)
-        return str(e.value)
+    # Another DP size, tiers, int8 stage or engine is a layout change, read in place (tests/checkpointing/
+    # test_relayout.py resumes one); another TP size is refused before any process group, naming the fix.
+    def now(**parallel):
+        p = {"tp": 1, "pp": 1, "dp": 4, "ulysses": 1, "ep": 1, "zero_stage": 3,
+             "zero_hierarchy": "package,node,network", "zero_hierarchy_int8": False, **parallel}
+        return str(run_layout(SimpleNamespace(parallel=SimpleNamespace(**p), model=SimpleNamespace(
+            moe=SimpleNamespace(enabled=False)))))
 
-    assert "data-parallel size 4 (now 2)" in refused(dp=2)
-    assert "--zero-hierarchy package,node,network (now node,network)" in refused(zero_hierarchy="node,network")
-    assert "--zero-hierarchy-int8 off (now on)" in refused(zero_hierarchy_int8=True)
-    assert "DeepSpeed engine" in refused(zero_hierarchy=None)
+    assert str(saved_layout(meta)) == now() == ("TP 1 x PP 1 x DP 4 x EP 1, hierarchical ZeRO package,node,network "
+                                                "(4 ranks)")
+    assert now(dp=2) != now() and now(zero_hierarchy_int8=True).endswith("package,node,network + int8 (4 ranks)")
+    assert now(zero_hierarchy=None).endswith("ZeRO-3 (4 ranks)")
+    with pytest.raises(ConfigError) as e:
+        refuse_hzero_tp_change(saved_layout(meta), run_layout(SimpleNamespace(parallel=SimpleNamespace(
+            tp=2, pp=1, dp=2, ulysses=1, ep=1, zero_stage=3, zero_hierarchy="package,node,network",
+            zero_hierarchy_int8=False), model=SimpleNamespace(moe=SimpleNamespace(enabled=False)))), step10)
+    assert "--tensor-model-parallel-size 1, now 2" in str(e.value) and "tools/reshard_checkpoint.py" in str(e.value)
+    assert "\n" not in str(e.value)
 
     # Resume from step 10 (retention keeps only the newest): iterations 11..20 are the straight run's, bit for bit.
     resumed = pretrain_on(4, args + ["--load", save, "--save", save, "--keep-last-n-checkpoints", "1"])["losses"]

@@ -19,10 +19,15 @@ BASE = CKPT_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--train
 Z1, Z2, Z3 = ["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "3"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 MOE = replaced(MOE_ARGS, {"--train-iters": "10"})  # ZeRO-2, EP 2 on 2 ranks
+# Hierarchical ZeRO with 2 ranks per node (``TWO_PER_NODE`` becomes a DeepSpeed JSON saying so): 4 ranks are 2 nodes
+# (package and network tiers), 2 ranks one node (package tier only).
+TWO_PER_NODE = "@two-ranks-per-node"
+HZ = Z3 + ["--zero-hierarchy", "package,node,network", "--deepspeed_config", TWO_PER_NODE]
 
 SOURCES = {  # name -> (ranks, flags) of the straight run that writes global_step5
     "dp2-z1": (2, BASE + Z1), "dp1-z1": (1, BASE + Z1), "dp2-z2": (2, BASE + Z2), "dp1-z2": (1, BASE + Z2),
     "tp2-pp2": (4, BASE + LLAMA + Z1 + TP2 + PP2), "ep2": (2, MOE), "dp2-z3": (2, BASE + Z3),
+    "hz-dp4": (4, BASE + HZ),
 }
 # case -> (source, ranks, flags of the resumed run).
 CASES = {
@@ -34,17 +39,22 @@ CASES = {
     "z1toz2": ("dp2-z1", 2, BASE + Z2),
     # ZeRO-3 keeps its weights in its optimizer files: read by its chunk arithmetic, filled through safe_set_local_*.
     "dp2to1-z3toz2": ("dp2-z3", 1, BASE + Z2), "dp1to2-z1toz3": ("dp1-z1", 2, BASE + Z3),
+    # Hierarchical ZeRO's shards by their bucket arithmetic (relayout/hzero_source.py); its master and AdamW state
+    # filled chunk by chunk, the secondary shards rebuilt from the masters; also from and to DeepSpeed's engine.
+    "hz-dp4to2": ("hz-dp4", 2, BASE + HZ), "z1tohz-dp2to4": ("dp2-z1", 4, BASE + HZ),
 }
-MOMENTS_CHECKED = ("dp2to1-z1", "dp1to2-z1toz3")
+MOMENTS_CHECKED = ("dp2to1-z1", "dp1to2-z1toz3", "hz-dp4to2")
 LAYOUT = {  # the log's name of each layout
     "dp2-z1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-1 (2 ranks)", "dp1-z1": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-1 (1 rank)",
     "dp1-z2": "TP 1 x PP 1 x DP 1 x EP 1, ZeRO-2 (1 rank)", "dp2-z2": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)",
     "tp2-pp2": "TP 2 x PP 2 x DP 1 x EP 1, ZeRO-1 (4 ranks)", "ep2": "TP 1 x PP 1 x DP 2 x EP 2, ZeRO-2 (2 ranks)",
     "tp1-pp2": "TP 1 x PP 2 x DP 1 x EP 1, ZeRO-1 (2 ranks)", "tp2-pp1": "TP 2 x PP 1 x DP 1 x EP 1, ZeRO-1 (2 ranks)",
-    "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)", "dp2-z3": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-3 (2 ranks)"}
+    "ep1": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-2 (2 ranks)", "dp2-z3": "TP 1 x PP 1 x DP 2 x EP 1, ZeRO-3 (2 ranks)",
+    "hz-dp4": "TP 1 x PP 1 x DP 4 x EP 1, hierarchical ZeRO package,node,network (4 ranks)",
+    "hz-dp2": "TP 1 x PP 1 x DP 2 x EP 1, hierarchical ZeRO package,node,network (2 ranks)"}
 NOW = {"dp2to1-z1": "dp1-z1", "dp1to2-z1": "dp2-z1", "dp2to1-z2": "dp1-z2", "dp1to2-z2": "dp2-z2",
        "tp2to1": "tp1-pp2", "pp2to1": "tp2-pp1", "pp1to2": "tp1-pp2", "ep2to1": "ep1", "z1toz2": "dp2-z2",
-       "dp2to1-z3toz2": "dp1-z2", "dp1to2-z1toz3": "dp2-z3"}
+       "dp2to1-z3toz2": "dp1-z2", "dp1to2-z1toz3": "dp2-z3", "hz-dp4to2": "hz-dp2", "z1tohz-dp2to4": "hz-dp4"}
 
 
 def _resumed(argv: list[str], check_moments: bool = False) -> dict:
@@ -86,6 +96,8 @@ def _compare_moments(ckpt_dir: str, meta: dict, engine, num_layers: int) -> dict
 
     moments, step, why = merge_moments(ckpt_dir, meta)
     weights = merge_checkpoint(ckpt_dir, meta)
+    if not hasattr(engine.optimizer, "optimizer"):  # hierarchical ZeRO: torch AdamW over one flat master shard
+        return _compare_hzero(engine, moments, weights, step, why, num_layers)
     base = engine.optimizer.optimizer
     bad, n, covered, total = [], 0, 0, 0
     for name, p in named_parameters(engine.module, num_layers):
@@ -112,8 +124,53 @@ def _compare_moments(ckpt_dir: str, meta: dict, engine, num_layers: int) -> dict
     return {"params": n, "step": step, "why": why, "bad": bad, "covered": covered, "total": total}
 
 
+def _compare_hzero(engine, moments: dict, weights: dict, step: int, why: str, num_layers: int) -> dict:
+    """``_compare_moments`` for the hierarchical ZeRO engine: its master shard and AdamW state, chunk by chunk of
+    each bucket (shards.primary_ranges), against the offline reader's full tensors; the secondary shards (rebuilt
+    from the masters) against the same weights."""
+    import torch
+
+    from megatron.checkpointing.hzero.shards import primary_ranges
+    from megatron.checkpointing.relayout.fill import named_parameters
+
+    names = {id(p): n for n, p in named_parameters(engine.module, num_layers)}
+    state = engine.optimizer.state[engine.master]
+    held = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "fp32": engine.master.detach()}
+    bad, n, covered, total, pos = [], 0, 0, 0, 0
+    for b, (start, length) in zip(engine.buckets, primary_ranges(engine), strict=True):
+        full = {k: torch.zeros(b.padded) for k in held}
+        off = 0
+        for p, shape in zip(b.params, b.shapes, strict=True):
+            name, k = names[id(p)], shape.numel()
+            n, total = n + 1, total + k
+            for key, src in (("exp_avg", moments[name]["exp_avg"]), ("exp_avg_sq", moments[name]["exp_avg_sq"]),
+                             ("fp32", weights[name])):
+                full[key][off:off + k] = src.reshape(-1)
+            covered += max(0, min(off + k, start - b.offset + length) - max(off, start - b.offset))
+            off += k
+        mine = slice(start - b.offset, start - b.offset + length)
+        bad += [f"bucket {b.offset} {k}" for k in held if not torch.equal(held[k][pos:pos + length], full[k][mine])]
+        count, idx = engine.h.shard_count(engine.weight_levels), engine.h.shard_index(engine.weight_levels)
+        per = b.padded // count  # the secondary shard: this rank's chunk over the weights tier (fp32 run: exact)
+        if not torch.equal(b.secondary.float(), full["fp32"][idx * per:(idx + 1) * per]):
+            bad.append(f"bucket {b.offset} secondary")
+        pos += length
+    return {"params": n, "step": step, "why": why, "bad": bad, "covered": covered, "total": total}
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def two_per_node(tmp_path_factory) -> str:
+    """A DeepSpeed JSON with 2 ranks per node (hierarchical ZeRO's tiers on the CPU ranks)."""
+    import json
+
+    path = str(tmp_path_factory.mktemp("ds") / "ds.json")
+    with open(path, "w") as f:
+        json.dump({"zero_optimization": {"stage": 3}, "megatron_frontier": {"ranks_per_node": 2}}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, two_per_node):
     """source name -> (its --save directory, latest pointing at global_step5; the straight run's losses)."""
     done: dict[str, tuple[str, dict[int, float]]] = {}
 
@@ -121,6 +178,7 @@ def straight(tmp_path_factory):
         if name not in done:
             world, flags = SOURCES[name]
             save = str(tmp_path_factory.mktemp(name))
+            flags = [two_per_node if f == TWO_PER_NODE else f for f in flags]
             losses = pretrain_on(world, flags + ["--save", save, "--save-interval", "5"])["losses"]
             assert sorted(losses) == list(range(1, 11)) and len(set(losses.values())) == 10, losses  # it moves
             _point_latest(save, "global_step5")
@@ -137,9 +195,10 @@ def _close(got: dict[int, float], ref: dict[int, float]) -> list[tuple[int, floa
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
-def test_resumes_at_another_layout_in_place(case, straight):
+def test_resumes_at_another_layout_in_place(case, straight, two_per_node):
     source, world, flags = CASES[case]
     save, ref = straight(source)
+    flags = [two_per_node if f == TWO_PER_NODE else f for f in flags]
     ranks = _run(world, flags + ["--load", save], check_moments=case in MOMENTS_CHECKED)
     out = ranks[0]
     assert sorted(out["losses"]) == [6, 7, 8, 9, 10], out["losses"]

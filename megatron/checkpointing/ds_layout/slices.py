@@ -123,8 +123,7 @@ class DeepSpeedSource:
 
     def _found(self, found, name: str, j: int):
         if found is None:
-            raise CheckpointError(f"{self.dir} has no tensor {name} (TP rank {j}): saved from a different model "
-                                  "variant")
+            raise no_tensor(self.dir, name, j)
         return found
 
     def pieces(self, name: str, kind: str, j: int) -> list[Piece]:
@@ -261,6 +260,11 @@ class DeepSpeedSource:
                     out[c] = states[i]
             self._adamw[j] = out
         return self._adamw[j]
+
+
+def no_tensor(ckpt_dir: str, name: str, j: int) -> CheckpointError:
+    """A source checkpoint lacks a parameter this model has (also relayout/hzero_source.py's)."""
+    return CheckpointError(f"{ckpt_dir} has no tensor {name} (TP rank {j}): saved from a different model variant")
 
 
 def _group_state(osd: dict, g: int) -> dict:

@@ -14,7 +14,8 @@ saved rather than re-gathered at load, so a resumed run starts from exactly the 
 
 The metadata (``hierarchy`` in megatron_meta.json) records the layout the shards belong to: DP size, tiers with
 their sizes, weights tier, int8 block, padded bucket layout with parameter names. resume_checks.py's
-``check_saved_layout`` compares it with a run's flags before any process group exists; ``merged_tp_states``
+``check_resume`` compares it with a run's flags before any process group exists (another DP size, tiers or engine
+is read in place by relayout/, through relayout/hzero_source.py); ``merged_tp_states``
 rebuilds unsharded weights and Adam moments from the files without a process group (tools/reshard_checkpoint.py,
 tools/convert_checkpoint_to_hf.py).
 """
@@ -47,7 +48,7 @@ def is_engine(engine) -> bool:
     return isinstance(engine, HierarchicalZeroEngine)
 
 
-def _primary_ranges(engine) -> list[tuple[int, int]]:
+def primary_ranges(engine) -> list[tuple[int, int]]:
     """(start, length) in the padded flat layout of each bucket's chunk that this rank's master shard holds."""
     h = engine.h
     count, idx = h.shard_count(h.levels), h.shard_index(h.levels)
@@ -102,7 +103,7 @@ def checkpoint_engine(engine):
 
 def check_engine_layout(engine, meta: dict, ranks_per_node: int | None, where: str) -> None:
     """After the engine exists: the saved tier sizes and bucket layout must be this run's (the flags were checked
-    by ``check_saved_layout``; this catches a different ranks per node or model variant)."""
+    by ``check_resume``; this catches a different ranks per node or model variant)."""
     saved, now = meta["hierarchy"], layout(engine, ranks_per_node)
     for key, what in (("level_sizes", "tier sizes"), ("padded", "padded parameter count"),
                       ("buckets", "bucket layout")):
@@ -204,7 +205,7 @@ def set_full_moments(engine, moments: dict[str, dict[str, torch.Tensor]], step: 
             for k in flat:
                 flat[k][off:off + n] = shard(names[id(p)], shape, moments[names[id(p)]][k]).reshape(-1)
             off += n
-    ranges = _primary_ranges(engine)
+    ranges = primary_ranges(engine)
     engine.optimizer.state[engine.master] = {
         "step": torch.tensor(float(step)),
         **{k: torch.cat([v[s:s + n] for s, n in ranges]).to(engine.master.device) for k, v in flat.items()}}

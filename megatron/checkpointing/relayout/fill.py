@@ -12,6 +12,7 @@ from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_
 
 from megatron import ds_seams
 from megatron.checkpointing.ds_layout.slices import MOMENTS, DeepSpeedSource
+from megatron.checkpointing.hzero import shards
 from megatron.checkpointing.relayout.coords import Split, blocks, clip, copy
 from megatron.errors import CheckpointError
 from megatron.model.param_names import VOCAB_PARAMS, canonical_name, expert_offsets, globalize
@@ -90,7 +91,9 @@ def load_optimizer(engine, reader: Reader, num_layers: int, tp_size: int, step: 
     master = reader.source.has_master
     named = [(n, p, target_split(p, tp_size)) for n, p in params]
     with torch.no_grad():
-        if any(ds_seams.zero3_part(p) is not None for _, p in params):
+        if shards.is_engine(engine):
+            _load_hzero(engine, reader, params, tp_size, step, moments)
+        elif any(ds_seams.zero3_part(p) is not None for _, p in params):
             _load_zero3(opt, base, params, reader, tp_size, step, master, moments)
         elif any(ds_seams.is_hp_linked(p) for _, p, _ in named):  # ZeRO-1/2, the bf16 optimizer: flat partitions
             if moments:
@@ -145,6 +148,30 @@ def _load_zero3(opt, base: torch.optim.Optimizer, params: list, reader: Reader, 
                 safe_set_local_fp32_param(p, held)
             else:
                 safe_set_local_optimizer_state(p, held, kind)
+
+
+def _load_hzero(engine, reader: Reader, params: list, tp_size: int, step: int, moments: bool) -> None:
+    """Hierarchical ZeRO: this rank's primary chunk of every bucket (fp32 master weights, AdamW's state at ``step``);
+    then the 16-bit secondary shards are rebuilt from the masters (collective), as after an optimizer step."""
+    names = {id(p): n for n, p in params}
+    held = {"master": engine.master.data} | (
+        {k: torch.zeros_like(engine.master.data) for k in MOMENTS} if moments else {})
+    pos = 0
+    for b, (start, length) in zip(engine.buckets, shards.primary_ranges(engine), strict=True):
+        off = b.offset
+        for p, shape in zip(b.params, b.shapes, strict=True):
+            lo, hi = max(off, start), min(off + shape.numel(), start + length)
+            if lo < hi:  # part of ``p`` lies in this rank's chunk (the rest of the chunk is padding)
+                split = target_split(p, tp_size, tuple(shape))
+                for kind, dst in held.items():
+                    reader.fill(names[id(p)], kind, split, lo - off, hi - off, dst.narrow(0, pos + lo - start, hi - lo))
+            off += shape.numel()
+        pos += length
+    if moments:
+        base = engine.optimizer
+        base.state[engine.master] = {"step": _step(base.param_groups[0], engine.master, step),
+                                     **{k: held[k] for k in MOMENTS}}
+    engine.refresh_secondary()
 
 
 def _step(group: dict, param: torch.Tensor, step: int) -> torch.Tensor:

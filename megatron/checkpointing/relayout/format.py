@@ -13,8 +13,9 @@ from megatron.checkpointing.ds_layout.slices import DeepSpeedSource
 from megatron.checkpointing.live import verify
 from megatron.checkpointing.live.commit import say
 from megatron.checkpointing.relayout.fill import Reader, load_optimizer, load_weights, named_parameters
+from megatron.checkpointing.relayout.hzero_source import HZeroSource
 from megatron.checkpointing.resume_checks import LayoutChange, loads_optimizer
-from megatron.checkpointing.state import Resume, apply_schedule_lr
+from megatron.checkpointing.state import HZERO_FORMAT, Resume, apply_schedule_lr
 from megatron.config import RunConfig
 from megatron.core import comm
 from megatron.core.parallel_state import ParallelState
@@ -38,7 +39,9 @@ class RelayoutFormat:
         verify.verify_collective(self.ckpt_dir, settings.verify, say)  # before a byte of it reaches the model
         verify.validate_files(self.ckpt_dir)
         wanted = {name for name, _ in named_parameters(model, run.model.num_layers)}
-        self.reader = Reader(DeepSpeedSource(self.ckpt_dir, self.meta, wanted), self.pstate.tp.rank)
+        source = (HZeroSource(self.ckpt_dir, self.meta) if self.meta.get("format") == HZERO_FORMAT
+                  else DeepSpeedSource(self.ckpt_dir, self.meta, wanted))
+        self.reader = Reader(source, self.pstate.tp.rank)
         _agreed(lambda: load_weights(model, self.reader, run.model.num_layers, self.pstate.tp.size))
         self.secs += time.monotonic() - started
 
@@ -48,6 +51,9 @@ class RelayoutFormat:
         started = time.monotonic()
         for line in self.change.notes:
             say(line)
+        if getattr(engine, "residual", None) is not None:  # hierarchical ZeRO's int8 network stage
+            say("> layout change: the int8 error-feedback residual restarts at zero (it belongs to the old ranks' "
+                "gradient chunks)")
         if settings.finetune:
             say(f"> loaded weights from {self.ckpt_dir} at another layout ({self.change.saved} -> "
                 f"{self.change.now}; --finetune: iteration, optimizer and RNG start fresh)")

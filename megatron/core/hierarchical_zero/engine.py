@@ -183,8 +183,9 @@ class HierarchicalZeroEngine:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)  # autograd's saved refs see re-gathers
         b.gathered = False
 
-    def _refresh_secondary(self) -> None:
-        """Updated primary shards -> this rank's secondary shards (once per optimizer step)."""
+    def refresh_secondary(self) -> None:
+        """Updated primary shards -> this rank's secondary shards (once per optimizer step, and after a load at
+        another layout: checkpointing/relayout/)."""
         x, sizes = self.master.detach(), list(self.primary_sizes)
         levels = list(self.refresh_levels)
         if self.cfg.int8 and levels and levels[-1].name == "network":
@@ -275,7 +276,7 @@ class HierarchicalZeroEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step(**(lr_kwargs or {"increment": self.train_batch_size()}))
-        self._refresh_secondary()
+        self.refresh_secondary()
         self.global_steps += 1
 
     def _clip(self, grad: torch.Tensor) -> torch.Tensor:
