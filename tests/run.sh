@@ -35,7 +35,7 @@ trap 'rm -f "$report" "$campaign_report" "$campaign_log" "$hip_log"' EXIT
 hip_pid=""
 hip_rc=0
 if [ "${SKIP_HIP_CHECK:-0}" != "1" ]; then
-  bash csrc/check_hip_compile.sh >"$hip_log" 2>&1 &
+  nice -n 10 bash csrc/check_hip_compile.sh >"$hip_log" 2>&1 &
   hip_pid=$!
 fi
 hip_done() {  # wait for the HIP builds once; print their output
@@ -54,13 +54,15 @@ if [ "$#" -eq 0 ]; then
   # windows of a minute) mostly waits, so it runs beside the rest on two workers of its own, its output printed
   # after. The rest: three pytest-xdist workers on the two cores, a module per worker (module fixtures start once;
   # most tests are multi-process runs that leave a core idle while they rendezvous, save or wait for a watchdog:
-  # two workers kept the cores about half busy). Then the tests marked `serial` (they compare ranks' wall times)
-  # alone.
+  # two workers kept the cores about half busy). They run at a lower priority (nice 10) than the campaigns, whose
+  # job windows are calibrated on a straight run's start-up: at equal priority a busy stretch of the workers made
+  # later jobs start so slowly that the end-of-training evaluation never fitted. The campaigns' ranks use little
+  # CPU (about 2 minutes in all). Then the tests marked `serial` (they compare ranks' wall times) alone.
   "${pytest_[@]}" --skip-report="$campaign_report" -n 2 --dist loadscope -m "not serial" tests/campaign \
     >"$campaign_log" 2>&1 &
   campaign_pid=$!
-  "${pytest_[@]}" --skip-report="$report" -n "${MF_TEST_WORKERS:-3}" --dist loadscope -m "not serial" \
-    --ignore=tests/campaign
+  nice -n 10 "${pytest_[@]}" --skip-report="$report" -n "${MF_TEST_WORKERS:-3}" --dist loadscope \
+    -m "not serial" --ignore=tests/campaign
   rc_parallel=$?
   wait "$campaign_pid"
   rc_campaign=$?
