@@ -1,8 +1,8 @@
 """A training campaign through examples/frontier/smoke_1node.sbatch on the stand-in Slurm: a tiny GPT on 2 ranks,
 jobs whose end time is about a minute after their start, saves slowed to ~8 s, and upstream's default evaluation at
 the end of training (--eval-iters 100 on the validation and the test split, no periodic one before --eval-interval
-1000) slowed to ~20 s, more than the deadline's margin. One straight run (one job under -q debug, so no chain) and one campaign,
-reused by every test here:
+1000) slowed to ~20 s, more than the deadline's margin. One straight run (one job under -q debug, so no chain) and
+one campaign, reused by every test here:
 
 - job 1 gets SIGUSR1 on its batch shell only (B:), job 2 SIGUSR1 on rank 1 only, job 3 SIGTERM on rank 1 only;
   every later job runs until its deadline (or the end of training);
